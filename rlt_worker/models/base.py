@@ -1,0 +1,95 @@
+"""The stage API every looped model exposes, and the attention seam it calls.
+
+A model knows nothing about scheduling, paging or batching. It takes a batch of token
+rows (ids or carried states, with their positions) and an attention context that decides
+which K/V each row writes and reads (SPEC §4). The runner backs the context with paged
+storage; the dense reference backs it with per-position per-loop lists.
+
+One generated position, for either family:
+
+    token ──embed──► embedded ──init_state──► state_0
+    state_{d-1} ──loop(d)──► state_d            (d = 1 … exit depth; each loop may read
+                                                 exit_gate(state_d) or coda logits as signal)
+    state_e ──coda──► hidden ──lm_head──► logits
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+
+
+class LayerId(NamedTuple):
+    """Names one attention layer's K/V: inside the loop (one plane per depth) or outside it."""
+
+    in_loop: bool
+    index: int
+
+
+class AttentionContext(Protocol):
+    """What a model's attention layer calls; the batch description lives behind it."""
+
+    def attend(self, layer: LayerId, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store this batch's k/v [N, Hkv, Dh] for `layer`, then attend q [N, Hq, Dh] causally.
+
+        Row i is the token at the batch's i-th position; it reads every earlier position of
+        its own sequence and itself (K/V chosen per SPEC §4). Returns [N, Hq, Dh].
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Static facts about a loaded model that the engine and the runner plan with."""
+
+    family: str  # "ouro" | "huginn"
+    hidden_size: int
+    vocab_size: int  # rows of the LM head
+    default_loops: int  # D: Ouro total_ut_steps, Huginn mean_recurrence
+    num_loop_kv_layers: int  # attention layers inside the loop (one K/V plane per depth)
+    num_outer_kv_layers: int  # attention layers outside the loop (one K/V version per position)
+    num_kv_heads: int
+    head_dim: int
+    max_model_len: int  # longest sequence (prompt + generated) the positions support
+    eos_token_ids: tuple[int, ...]
+    has_exit_gate: bool  # Ouro: sigmoid(Linear(h)) hazard per loop
+    has_coda_signal: bool  # Huginn: KL / latent change between loops
+
+
+class LoopedModel(torch.nn.Module):
+    """Base class of the native models: the stage API the runner batches."""
+
+    info: ModelInfo
+
+    def embed(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """Token ids [N] → the loop's injected input [N, H] (Ouro: embedding; Huginn: prelude output)."""
+        raise NotImplementedError
+
+    def init_state(self, embedded: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
+        """The state loop 1 starts from. Ouro: the embedding (noise ignored). Huginn: zeros when
+        `noise` is None, else `noise` (standard truncated-normal draws in [-3, 3], [N, H],
+        float64) times the model's state-init σ and embedding scale, cast to the model dtype."""
+        raise NotImplementedError
+
+    def loop(
+        self, state: torch.Tensor, embedded: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        """One pass of the shared block: state [N, H] at loop d-1 → state at loop d.
+
+        The context knows each row's depth d; the model only needs the rows' positions.
+        """
+        raise NotImplementedError
+
+    def exit_gate(self, state: torch.Tensor) -> torch.Tensor:
+        """Ouro's per-loop hazard λ = sigmoid(gate(state)), [N] (float64 on float64 models)."""
+        raise NotImplementedError
+
+    def coda(self, state: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """Exit state [N, H] → the hidden state the LM head reads (Huginn writes coda K/V here)."""
+        raise NotImplementedError
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden [N, H] → logits [N, V]."""
+        raise NotImplementedError
