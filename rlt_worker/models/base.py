@@ -15,10 +15,13 @@ One generated position, for either family:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
+
+from protocol.messages import ModelInfo
+
+__all__ = ["AttentionContext", "LayerId", "LoopedModel", "ModelInfo"]
 
 
 class LayerId(NamedTuple):
@@ -38,24 +41,6 @@ class AttentionContext(Protocol):
         its own sequence and itself (K/V chosen per SPEC §4). Returns [N, Hq, Dh].
         """
         ...
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """Static facts about a loaded model that the engine and the runner plan with."""
-
-    family: str  # "ouro" | "huginn"
-    hidden_size: int
-    vocab_size: int  # rows of the LM head
-    default_loops: int  # D: Ouro total_ut_steps, Huginn mean_recurrence
-    num_loop_kv_layers: int  # attention layers inside the loop (one K/V plane per depth)
-    num_outer_kv_layers: int  # attention layers outside the loop (one K/V version per position)
-    num_kv_heads: int
-    head_dim: int
-    max_model_len: int  # longest sequence (prompt + generated) the positions support
-    eos_token_ids: tuple[int, ...]
-    has_exit_gate: bool  # Ouro: sigmoid(Linear(h)) hazard per loop
-    has_coda_signal: bool  # Huginn: KL / latent change between loops
 
 
 class LoopedModel(torch.nn.Module):

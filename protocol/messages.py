@@ -1,0 +1,438 @@
+"""Every message that crosses a process boundary (SPEC §6). No torch here.
+
+Fields are append-only with defaults (schema evolution); per-row fields of hot-path messages
+are packed columns (see columns.py), documented as `column: dtype [rows]`.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import ClassVar
+
+import msgspec
+
+from protocol.columns import F64, I32, I64, U64, Columnar
+
+PROTOCOL_VERSION = 1
+
+
+class Stage(enum.IntEnum):
+    """The stages of SPEC §3, as they appear in plans and results."""
+
+    PREFILL = 1
+    PRELUDE = 2
+    RECURRENT = 3
+    FINALIZE = 4
+    CODA = 5
+
+
+class Signal(enum.IntEnum):
+    """Which exit signal a RECURRENT row returns."""
+
+    NONE = 0
+    GATE = 1  # Ouro: λ = sigmoid(gate(state_d))
+    KL = 2  # Huginn: KL(p_{d-1} ‖ p_d) of the next-token distributions, p_0 uniform
+    LATENT = 3  # Huginn: ‖s_d − s_{d−1}‖ / ‖s_d‖ before ln_f
+
+
+# --------------------------------------------------------------------------- model / config
+
+
+class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """Static facts about a loaded model that the engine and the runner plan with."""
+
+    family: str  # "ouro" | "huginn"
+    hidden_size: int
+    vocab_size: int  # rows of the LM head
+    default_loops: int  # D: Ouro total_ut_steps, Huginn mean_recurrence
+    num_loop_kv_layers: int  # attention layers inside the loop (one K/V plane per depth)
+    num_outer_kv_layers: int  # attention layers outside the loop (one K/V version per position)
+    num_kv_heads: int
+    head_dim: int
+    max_model_len: int  # longest sequence (prompt + generated) the positions support
+    eos_token_ids: tuple[int, ...]
+    has_exit_gate: bool  # Ouro: sigmoid(Linear(h)) hazard per loop
+    has_coda_signal: bool  # Huginn: KL / latent change between loops
+
+
+class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a worker needs to build its model, KV storage and slot table."""
+
+    model: str  # "toy-ouro" | "toy-huginn" | checkpoint directory
+    device: str  # "cpu" | "cuda" | "cuda:N"
+    dtype: str  # "float64" | "float32" | "bfloat16" | "float16"
+    max_loops: int  # D, the number of loop planes (0 = the model's default)
+    kv_layout: str  # "last_exited" | "shared"
+    block_size: int
+    num_blocks: int  # 0 = size from free memory (cuda) / 512 (cpu)
+    gpu_memory_utilization: float
+    max_num_seqs: int  # slot table capacity
+    attention_backend: str  # "torch" | "triton"
+    state_init: str  # Huginn: "random" | "zero"
+    num_threads: int = 0  # torch intra-op threads (0 = leave torch's default)
+
+
+class WorkerHello(msgspec.Struct, tag=True, array_like=True, kw_only=True):
+    """Engine → worker, first message: who you are and what to build."""
+
+    protocol_version: int
+    worker_index: int
+    config: WorkerConfig
+    config_hash: str  # the engine's hash of `config`; the worker must compute the same
+    heartbeat_interval_s: float = 1.0
+
+
+class WorkerReady(msgspec.Struct, tag=True, array_like=True, kw_only=True):
+    """Worker → engine: the model is loaded and the KV pool exists."""
+
+    protocol_version: int
+    worker_index: int
+    config_hash: str
+    device: str
+    num_blocks: int  # physical KV blocks the pool holds
+    model: ModelInfo
+    pid: int
+
+
+class Heartbeat(msgspec.Struct, tag=True, array_like=True):
+    """Either direction: I am alive (sent when nothing else was sent for an interval)."""
+
+    sent_at: float  # time.monotonic() of the sender
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    """Engine → worker: finish the plan in hand, release everything, exit."""
+
+    reason: str = ""
+
+
+# --------------------------------------------------------------------------- plans
+
+
+class SamplingOptions(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """Per-slot sampling settings, sent once at admission (the RNG ticket rides on each row)."""
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+
+
+class Admit(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Open a slot for (key, generation)."""
+
+    key: int
+    generation: int
+    sampling: SamplingOptions = SamplingOptions()
+
+
+class BlockAppends(Columnar, msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Block-table deltas: each row appends `num_new` block ids to every plane of its slot.
+
+    block_ids is row-major: row 0's plane 0 ids, row 0's plane 1 ids, …, then row 1.
+    """
+
+    COLUMNS: ClassVar = {"keys": I64, "generations": I64, "num_new": I32, "block_ids": I32}
+    RAGGED: ClassVar = frozenset({"block_ids"})
+
+    keys: bytes = b""  # i64 [rows]
+    generations: bytes = b""  # i64 [rows]
+    num_new: bytes = b""  # i32 [rows], blocks appended to each plane
+    block_ids: bytes = b""  # i32 [sum(num_new) * num_planes]
+
+    def __post_init__(self) -> None:
+        self._check_columns()
+        self._check_min("num_new", 0)
+        self._check_min("block_ids", 0)
+
+
+class SlotKeys(Columnar, msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A list of slots, for release."""
+
+    COLUMNS: ClassVar = {"keys": I64, "generations": I64}
+
+    keys: bytes = b""  # i64 [rows]
+    generations: bytes = b""  # i64 [rows]
+
+    def __post_init__(self) -> None:
+        self._check_columns()
+
+
+class PrefillBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+    """Prompt chunks through all D loops (Huginn: prelude before, coda blocks after).
+
+    Row r covers positions start_positions[r] … + query_lens[r] − 1 of its slot; its tokens
+    are the next query_lens[r] entries of token_ids. The last position's state stays in the slot.
+    """
+
+    COLUMNS: ClassVar = {
+        "keys": I64, "generations": I64, "start_positions": I32, "query_lens": I32,
+        "seeds": U64, "token_ids": I32,
+    }
+    RAGGED: ClassVar = frozenset({"token_ids"})
+
+    keys: bytes = b""  # i64 [rows]
+    generations: bytes = b""  # i64 [rows]
+    start_positions: bytes = b""  # i32 [rows]
+    query_lens: bytes = b""  # i32 [rows], ≥ 1
+    seeds: bytes = b""  # u64 [rows], Huginn random state init (purpose 2, index = position)
+    token_ids: bytes = b""  # i32 [sum(query_lens)]
+
+    def __post_init__(self) -> None:
+        self._check_columns()
+        self._check_min("start_positions", 0)
+        self._check_min("query_lens", 1)
+        self._check_min("token_ids", 0)
+        if len(self.token_ids) // 4 != int(self.col("query_lens").sum()):
+            raise ValueError("token_ids length differs from sum(query_lens)")
+
+
+class PreludeBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+    """Embed each row's input token at its position and start its state (loop depth 0)."""
+
+    COLUMNS: ClassVar = {"keys": I64, "generations": I64, "positions": I32, "token_ids": I32, "seeds": U64}
+
+    keys: bytes = b""  # i64 [rows]
+    generations: bytes = b""  # i64 [rows]
+    positions: bytes = b""  # i32 [rows]
+    token_ids: bytes = b""  # i32 [rows]; −1 = the token the slot's last CODA sampled
+    seeds: bytes = b""  # u64 [rows], Huginn random state init
+
+    def __post_init__(self) -> None:
+        self._check_columns()
+        self._check_min("positions", 0)
+        self._check_min("token_ids", -1)
+
+
+class RecurrentBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+    """Loops first_depths[r] … first_depths[r] + num_loops[r] − 1 of each row's current position.
+
+    Rows at different depths share each pass. The signal of each row's last loop is returned.
+    """
+
+    COLUMNS: ClassVar = {
+        "keys": I64, "generations": I64, "positions": I32, "first_depths": I32, "num_loops": I32,
+    }
+
+    keys: bytes = b""  # i64 [rows]
+    generations: bytes = b""  # i64 [rows]
+    positions: bytes = b""  # i32 [rows]
+    first_depths: bytes = b""  # i32 [rows], 1-based loop index of the first loop to run
+    num_loops: bytes = b""  # i32 [rows], ≥ 1
+    signal: Signal = Signal.NONE
+
+    def __post_init__(self) -> None:
+        self._check_columns()
+        self._check_min("positions", 0)
+        self._check_min("first_depths", 1)
+        self._check_min("num_loops", 1)
+
+
+class FinalizeBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+    """LAST_EXITED: copy each row's exit-plane K/V at its position into every deeper plane."""
+
+    COLUMNS: ClassVar = {"keys": I64, "generations": I64, "positions": I32, "exit_depths": I32}
+
+    keys: bytes = b""  # i64 [rows]
+    generations: bytes = b""  # i64 [rows]
+    positions: bytes = b""  # i32 [rows]
+    exit_depths: bytes = b""  # i32 [rows], ≥ 1
+
+    def __post_init__(self) -> None:
+        self._check_columns()
+        self._check_min("positions", 0)
+        self._check_min("exit_depths", 1)
+
+
+class CodaBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+    """Coda + LM head on each slot's state; sample with the ticket (seed, purpose 1, index)."""
+
+    COLUMNS: ClassVar = {
+        "keys": I64, "generations": I64, "positions": I32, "seeds": U64, "sample_indices": I32,
+    }
+
+    keys: bytes = b""  # i64 [rows]
+    generations: bytes = b""  # i64 [rows]
+    positions: bytes = b""  # i32 [rows]
+    seeds: bytes = b""  # u64 [rows]
+    sample_indices: bytes = b""  # i32 [rows], output index i (Philox index)
+
+    def __post_init__(self) -> None:
+        self._check_columns()
+        self._check_min("positions", 0)
+        self._check_min("sample_indices", 0)
+
+
+StageBatch = PrefillBatch | PreludeBatch | RecurrentBatch | FinalizeBatch | CodaBatch
+
+
+class ExecutionPlan(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, kw_only=True):
+    """One step of one worker: slot ops around an ordered list of stage batches.
+
+    Order of application: admits, block appends, batches (in list order), releases.
+    """
+
+    step_id: int
+    admits: list[Admit] = []
+    block_appends: BlockAppends = msgspec.field(default_factory=BlockAppends)
+    batches: list[StageBatch] = []
+    releases: SlotKeys = msgspec.field(default_factory=SlotKeys)
+
+
+class StepResult(Columnar, msgspec.Struct, tag=True, array_like=True, omit_defaults=True, kw_only=True):
+    """Worker → engine: what each row of a plan produced, stamped with key and generation.
+
+    One row per RECURRENT row (its last loop's signal) and per CODA row (token, logprob).
+    """
+
+    COLUMNS: ClassVar = {
+        "keys": I64, "generations": I64, "stages": I32, "depths": I32,
+        "signals": F64, "tokens": I32, "logprobs": F64,
+    }
+
+    step_id: int
+    keys: bytes = b""  # i64 [rows]
+    generations: bytes = b""  # i64 [rows]
+    stages: bytes = b""  # i32 [rows], Stage
+    depths: bytes = b""  # i32 [rows], RECURRENT: depth reached; CODA: the position's exit depth
+    signals: bytes = b""  # f64 [rows], RECURRENT with a signal; NaN otherwise
+    tokens: bytes = b""  # i32 [rows], CODA: sampled token; −1 otherwise
+    logprobs: bytes = b""  # f64 [rows], CODA: log p(token) under the raw logits; NaN otherwise
+    num_free_slots: int = 0
+    error: str = ""  # non-empty: the plan failed as a whole and nothing of it applied
+
+    def __post_init__(self) -> None:
+        self._check_columns()
+
+
+# --------------------------------------------------------------------------- client side
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """How to sample one request and how deep its positions may loop (SPEC §8)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = -1  # −1 = off
+    top_p: float = 1.0
+    seed: int | None = None  # None = drawn at admission and reported back
+    stop_token_ids: list[int] = []
+    stop: list[str] = []
+    ignore_eos: bool = False
+    logprobs: int = 0  # 0 or 1: the logprob of each sampled token
+    min_loops: int = 1
+    max_loops: int | None = None  # None = the engine's D
+    exit_threshold: float | None = None  # None = the policy's never-early value
+    exit_depths: list[int] | None = None  # the `trace` policy's depths, one per output token
+    priority: int = 0  # lower runs first under scheduling_policy="priority"
+
+    def __post_init__(self) -> None:
+        _require(self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}")
+        _require(
+            math.isfinite(self.temperature) and self.temperature >= 0,
+            f"temperature must be a finite number ≥ 0, got {self.temperature}",
+        )
+        _require(self.top_k == -1 or self.top_k >= 1, f"top_k must be −1 (off) or ≥ 1, got {self.top_k}")
+        _require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _require(self.seed is None or 0 <= self.seed < 2**64, "seed must be in [0, 2^64)")
+        _require(self.logprobs in (0, 1), f"logprobs must be 0 or 1, got {self.logprobs}")
+        _require(self.min_loops >= 1, f"min_loops must be at least 1, got {self.min_loops}")
+        if self.max_loops is not None:
+            _require(
+                self.max_loops >= self.min_loops,
+                f"min_loops ({self.min_loops}) must not exceed max_loops ({self.max_loops})",
+            )
+        if self.exit_threshold is not None:
+            _require(0 <= self.exit_threshold, f"exit_threshold must be ≥ 0, got {self.exit_threshold}")
+        if self.exit_depths is not None:
+            _require(
+                len(self.exit_depths) == self.max_tokens,
+                f"exit_depths has {len(self.exit_depths)} entries, max_tokens is {self.max_tokens}",
+            )
+        _require(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ≥ 0")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+class GenerateRequest(msgspec.Struct, tag=True, kw_only=True, forbid_unknown_fields=True):
+    """Client → engine: start a request (text prompt or token ids)."""
+
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+
+
+class AbortRequest(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    """Client → engine: stop a request; its stream ends with finish reason `abort`."""
+
+    request_id: str
+
+
+class HealthRequest(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    """Client → engine: ask for a HealthReport."""
+
+    nonce: int = 0
+
+
+class Keepalive(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    """Client → engine every second; the engine answers with KeepaliveAck."""
+
+    sent_at: float = 0.0
+
+
+class KeepaliveAck(msgspec.Struct, tag=True):
+    """Engine → client: the answer to a Keepalive."""
+
+    sent_at: float = 0.0
+
+
+class RequestOutput(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
+    """Engine → client: a streamed delta of one request (or, offline, its cumulative state)."""
+
+    request_id: str
+    first_index: int = 0  # index of token_ids[0] in the request's output
+    token_ids: list[int] = []
+    exit_depths: list[int] = []
+    logprobs: list[float] = []
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    seed: int | None = None
+    error: str | None = None
+
+
+class EngineError(msgspec.Struct, tag=True, kw_only=True):
+    """Engine → client: a request (or the message, when request_id is None) was refused."""
+
+    request_id: str | None
+    code: str  # "invalid_request" | "overload" | "protocol" | "internal"
+    message: str
+
+
+class WorkerHealth(msgspec.Struct, kw_only=True):
+    """One worker's state in a HealthReport."""
+
+    index: int
+    alive: bool
+    kv_blocks_total: int
+    kv_blocks_used: int
+    running: int
+
+
+class HealthReport(msgspec.Struct, tag=True, kw_only=True):
+    """Engine → client: liveness and load."""
+
+    nonce: int = 0
+    workers: list[WorkerHealth] = []
+    waiting: int = 0
+    running: int = 0
+
+
+WorkerInbound = WorkerHello | ExecutionPlan | Heartbeat | Shutdown
+WorkerOutbound = WorkerReady | StepResult | Heartbeat
+ClientInbound = GenerateRequest | AbortRequest | HealthRequest | Keepalive
+ClientOutbound = RequestOutput | EngineError | HealthReport | KeepaliveAck
