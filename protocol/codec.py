@@ -58,7 +58,9 @@ class Codec(Generic[T]):
         if magic != _MAGIC:
             raise ProtocolError("not an rlt frame (bad magic)")
         if version != PROTOCOL_VERSION:
-            raise ProtocolError(f"peer speaks protocol version {version}, this process speaks {PROTOCOL_VERSION}")
+            raise ProtocolError(
+                f"peer speaks protocol version {version}, this process speaks {PROTOCOL_VERSION}"
+            )
         try:
             return self._decoder.decode(memoryview(frame)[_HEADER.size :])
         except (msgspec.MsgspecError, ValueError, TypeError, OverflowError) as exc:
