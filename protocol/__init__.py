@@ -4,6 +4,7 @@ from protocol.codec import (
     Codec,
     ProtocolError,
     client_codec,
+    config_hash,
     engine_worker_codec,
     frontend_codec,
     worker_side_codec,
@@ -13,6 +14,6 @@ from protocol.messages import *  # noqa: F403
 from protocol.messages import PROTOCOL_VERSION
 
 __all__ = [
-    "PROTOCOL_VERSION", "Codec", "ProtocolError", "client_codec", "engine_worker_codec",
+    "PROTOCOL_VERSION", "Codec", "ProtocolError", "client_codec", "config_hash", "engine_worker_codec",
     "frontend_codec", "worker_side_codec", "pack", "unpack",
 ]

@@ -6,8 +6,9 @@ so a peer speaking another version is named as such instead of failing deep in d
 
 from __future__ import annotations
 
+import hashlib
 import struct
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, get_args
 
 import msgspec
 
@@ -15,6 +16,7 @@ from protocol.messages import (
     PROTOCOL_VERSION,
     ClientInbound,
     ClientOutbound,
+    WorkerConfig,
     WorkerInbound,
     WorkerOutbound,
 )
@@ -25,6 +27,10 @@ _MAGIC = b"RL"
 _HEADER = struct.Struct("<2sH")
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 CLIENT_MAX_FRAME_BYTES = 4 * 1024 * 1024
+# Top-level types a frame may carry; anything else (a set, a dict, an int…) is refused on encode.
+_MESSAGE_TYPES = tuple(
+    {t for union in (WorkerInbound, WorkerOutbound, ClientInbound, ClientOutbound) for t in get_args(union)}
+)
 
 
 class ProtocolError(ValueError):
@@ -46,6 +52,8 @@ class Codec(Generic[T]):
 
     def encode(self, message: Any) -> bytes:
         """Header + msgpack body."""
+        if not isinstance(message, _MESSAGE_TYPES):
+            raise TypeError(f"refusing to encode {type(message).__name__}: not a protocol message")
         return self._header + self._encoder.encode(message)
 
     def decode(self, frame: bytes | memoryview) -> T:
@@ -63,8 +71,13 @@ class Codec(Generic[T]):
             )
         try:
             return self._decoder.decode(memoryview(frame)[_HEADER.size :])
-        except (msgspec.MsgspecError, ValueError, TypeError, OverflowError) as exc:
+        except (msgspec.MsgspecError, ValueError, TypeError, OverflowError, RecursionError) as exc:
             raise ProtocolError(f"malformed message: {exc}") from None
+
+
+def config_hash(config: WorkerConfig) -> str:
+    """A short digest of a worker config; both ends of a handshake must compute the same."""
+    return hashlib.sha256(msgspec.msgpack.encode(config)).hexdigest()[:16]
 
 
 def worker_side_codec() -> Codec[WorkerInbound]:

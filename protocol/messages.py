@@ -91,6 +91,8 @@ class WorkerReady(msgspec.Struct, tag=True, array_like=True, kw_only=True):
     config_hash: str
     device: str
     num_blocks: int  # physical KV blocks the pool holds
+    num_planes: int  # planes per slot block table (loop depth planes + outer plane)
+    max_loops: int  # D, resolved from the model when the config said 0
     model: ModelInfo
     pid: int
 
