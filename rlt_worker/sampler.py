@@ -1,0 +1,90 @@
+"""Row-wise token sampling shared by the batched runner and the dense reference (SPEC §5).
+
+Each row's result depends only on its own logits and parameters, never on the other rows,
+so a request samples the same token whatever batch it is in. All arithmetic is float64 and
+the noise is counter-based Philox, so CPU and CUDA agree.
+
+Rules a caller must know:
+- temperature <= 0 is greedy: argmax of the raw logits, lowest token id on ties, no noise.
+- top_k <= 0 (e.g. -1) is off. Otherwise exactly the k highest scaled logits stay; on exact
+  ties at the boundary the lower token ids stay.
+- top_p >= 1 is off. Otherwise, over the top-k survivors renormalised, the smallest prefix in
+  descending order (equal logits ordered by lower token id) whose cumulative probability is
+  >= top_p stays; the first token always stays.
+- The reported logprob is log_softmax of the raw logits (before temperature, top-k, top-p) at
+  the sampled token, in float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rlt_worker.philox import PURPOSE_SAMPLE, seed_to_int64, uniform
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters; every field is a 1-D tensor of length N."""
+
+    temperature: Tensor  # float64; 0 = greedy
+    top_k: Tensor  # int64; <= 0 = off
+    top_p: Tensor  # float64; 1.0 = off
+    seeds: Tensor  # int64 holding the uint64 seed's bits
+    indices: Tensor  # int64; output index i, the Philox index of the draw
+
+    @classmethod
+    def build(
+        cls,
+        temperature: Sequence[float],
+        top_k: Sequence[int],
+        top_p: Sequence[float],
+        seeds: Sequence[int],
+        indices: Sequence[int],
+        device: torch.device | str = "cpu",
+    ) -> SamplingTensors:
+        """Build from Python lists; seeds are uint64 values in [0, 2^64)."""
+        return cls(
+            temperature=torch.tensor(temperature, dtype=torch.float64, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float64, device=device),
+            seeds=torch.tensor([seed_to_int64(s) for s in seeds], dtype=torch.int64, device=device),
+            indices=torch.tensor(indices, dtype=torch.int64, device=device),
+        )
+
+
+def _allowed_mask(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Boolean [N, V] of tokens that survive top-k then top-p."""
+    n, v = scaled.shape
+    # One stable descending sort serves both filters: equal logits keep ascending token id.
+    sorted_vals, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    rank = torch.arange(v, device=scaled.device).expand(n, v)
+    k = torch.where(top_k > 0, top_k.clamp(max=v), v)[:, None]
+    keep = rank < k
+    probs = torch.softmax(sorted_vals.masked_fill(~keep, float("-inf")), dim=-1)
+    # Exclusive prefix sum: a token stays while the mass strictly before it is below top_p,
+    # which keeps the smallest prefix reaching top_p and always the first token.
+    before = torch.cumsum(probs, dim=-1) - probs
+    keep &= (before < top_p[:, None]) | (top_p[:, None] >= 1.0) | (rank == 0)
+    return torch.zeros_like(keep).scatter(1, order, keep)
+
+
+def sample(logits: Tensor, params: SamplingTensors) -> tuple[Tensor, Tensor]:
+    """Sample one token per row of logits [N, V]; returns (tokens int64 [N], logprobs float64 [N])."""
+    x = logits.double()
+    dev = x.device
+    temperature = params.temperature.to(dev, torch.float64)
+    greedy = temperature <= 0
+    tokens = torch.argmax(x, dim=-1)
+    if not bool(greedy.all()):
+        scaled = x / torch.where(greedy, 1.0, temperature)[:, None]
+        allowed = _allowed_mask(scaled, params.top_k.to(dev), params.top_p.to(dev, torch.float64))
+        # Gumbel-max: argmax(scaled + g), g = -log(-log u), samples softmax(scaled) over allowed.
+        u = uniform(params.seeds.to(dev), PURPOSE_SAMPLE, params.indices.to(dev), x.shape[1])
+        noisy = (scaled - torch.log(-torch.log(u))).masked_fill(~allowed, float("-inf"))
+        tokens = torch.where(greedy, tokens, torch.argmax(noisy, dim=-1))
+    logprobs = torch.log_softmax(x, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    return tokens, logprobs
