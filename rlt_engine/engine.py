@@ -1,0 +1,201 @@
+"""LLMEngine: the step loop (schedule → submit → collect → update → publish)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from protocol.messages import ExecutionPlan, SamplingParams, StepResult
+from rlt_engine.config import EngineConfig
+from rlt_engine.errors import InvalidRequestError
+from rlt_engine.executor import make_executor
+from rlt_engine.exit_policy import TraceExit, make_exit_policy
+from rlt_engine.kv_manager import KVManager
+from rlt_engine.request import Request
+from rlt_engine.rng import RngRegistry
+from rlt_engine.scheduler import Scheduler, SchedulerConfig
+from rlt_engine.tokenizer import load_tokenizer
+
+log = logging.getLogger("rlt.engine")
+
+PlanListener = Callable[[int, ExecutionPlan], None]
+
+
+@dataclass
+class GenerationOutput:
+    """A request's cumulative output after a step (SPEC §8)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    exit_depths: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    seed: int | None = None
+
+
+class LLMEngine:
+    """Owns the scheduler, the KV managers, the RngRegistry and the executor."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config = config.resolved()
+        self.tokenizer = load_tokenizer(config.model)
+        self.executor = make_executor(config)
+        try:
+            readies = self.executor.start()
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        ready = readies[0]
+        self.model_info = ready.model
+        self.max_depth = ready.max_loops
+        self.policy = make_exit_policy(config.exit_mode, ready.model)
+        self.kv_managers = [KVManager(r.num_blocks, config.block_size, r.num_planes) for r in readies]
+        self.rng = RngRegistry()
+        scheduler_config = SchedulerConfig(
+            max_depth=self.max_depth,
+            kv_layout=config.kv_layout,
+            refill=config.scheduling == "refill",
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            prefill_chunk_size=config.prefill_chunk_size,
+            eos_token_ids=frozenset(ready.model.eos_token_ids),
+        )
+        self.scheduler = Scheduler(scheduler_config, self.policy, self.kv_managers, self.rng)
+        self._busy: set[int] = set()
+        self._plan_listeners: list[PlanListener] = []
+        self._aborted: list[Request] = []
+        self._closed = False
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> None:
+        """Queue a request; raises InvalidRequestError / CapacityError for this request only."""
+        params = params or SamplingParams()
+        prompt_token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate(request_id, prompt_token_ids, params)
+        self.scheduler.add(request_id, prompt_token_ids, params)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a live request (finish reason `abort`); False if no such live request."""
+        request = self.scheduler.abort(request_id)
+        if request is not None:
+            self._aborted.append(request)
+        return request is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def add_plan_listener(self, listener: PlanListener) -> None:
+        """Call `listener(worker, plan)` for every plan submitted (tests and tracing)."""
+        self._plan_listeners.append(listener)
+
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        depth, info = self.max_depth, self.model_info
+        if self.scheduler.is_live(request_id):
+            raise InvalidRequestError(f"request id {request_id!r} is already live; wait for it to finish or abort it")
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty")
+        if min(prompt) < 0 or max(prompt) >= info.vocab_size:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {info.vocab_size})")
+        if params.max_loops is not None and params.max_loops > depth:
+            raise InvalidRequestError(f"max_loops {params.max_loops} exceeds the engine's depth D = {depth}")
+        if params.min_loops > (params.max_loops or depth):
+            raise InvalidRequestError(f"min_loops {params.min_loops} exceeds max_loops {params.max_loops or depth}")
+        self._validate_trace(params)
+        positions = len(prompt) + params.max_tokens - 1
+        if positions > info.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) − 1 = {positions} positions "
+                f"exceeds the model's limit of {info.max_model_len}"
+            )
+        self.kv_managers[0].check_fits(positions)
+
+    def _validate_trace(self, params: SamplingParams) -> None:
+        is_trace = isinstance(self.policy, TraceExit)
+        if params.exit_depths is None:
+            if is_trace:
+                raise InvalidRequestError("exit_mode 'trace' needs exit_depths, one entry per output token")
+            return
+        if not is_trace:
+            raise InvalidRequestError("exit_depths is only used with exit_mode 'trace'")
+        depths, d = params.exit_depths, self.max_depth
+        if depths[0] != d:
+            raise InvalidRequestError(f"exit_depths[0] must be D = {d} (output 0 comes from the prompt), got {depths[0]}")
+        if any(not 1 <= e <= d for e in depths):
+            raise InvalidRequestError(f"every exit_depths entry must be in 1 … {d}")
+
+    # ------------------------------------------------------------------ step
+
+    def step(self) -> list[GenerationOutput]:
+        """Run one step on every idle worker; returns the outputs this step changed."""
+        self._submit_idle_workers()
+        changed: list[Request] = []
+        if self._busy:
+            for worker, result in self.executor.collect(timeout=None):
+                self._busy.discard(worker)
+                changed.extend(self._apply(worker, result))
+        # Submit before publishing: the next plans (and any slot releases) are on their way.
+        self._submit_idle_workers()
+        changed.extend(self._aborted)
+        self._aborted.clear()
+        return [self._output(r) for r in changed]
+
+    def _submit_idle_workers(self) -> None:
+        for worker in range(len(self.kv_managers)):
+            if worker in self._busy or not self.scheduler.has_work(worker):
+                continue
+            builder = self.scheduler.schedule(worker)
+            if builder is None:
+                continue
+            plan = builder.build()
+            for listener in self._plan_listeners:
+                listener(worker, plan)
+            self.executor.submit(worker, plan)
+            self._busy.add(worker)
+
+    def _apply(self, worker: int, result: StepResult) -> list[Request]:
+        if result.error:
+            log.error("worker %d failed step %d: %s", worker, result.step_id, result.error)
+            failed = list(self.scheduler.running[worker])
+            for request in failed:
+                self.scheduler.finish(request, "error")
+            return failed
+        changed = self.scheduler.update(worker, result)
+        for request in changed:
+            if not request.is_finished and self._stop_string_index(request) is not None:
+                self.scheduler.finish(request, "stop")
+        return changed
+
+    def _stop_string_index(self, request: Request) -> int | None:
+        if not request.params.stop:
+            return None
+        text = self.tokenizer.decode(request.output_token_ids)
+        hits = [text.find(s) for s in request.params.stop if s and s in text]
+        return min(hits) if hits else None
+
+    def _output(self, request: Request) -> GenerationOutput:
+        text = self.tokenizer.decode(request.output_token_ids)
+        cut = self._stop_string_index(request)
+        return GenerationOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            text=text if cut is None else text[:cut],
+            exit_depths=list(request.exit_depths),
+            logprobs=list(request.logprobs),
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            seed=request.seed,
+        )
+
+    def close(self) -> None:
+        """Stop the workers; idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.executor.shutdown()

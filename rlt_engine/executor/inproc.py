@@ -1,0 +1,49 @@
+"""InprocExecutor (`workers=0`): the Worker runs in the engine process.
+
+Plans and results still pass through the protocol codecs, so this path exercises the same
+bytes as the multi-process one and measures what the process boundary itself costs.
+"""
+
+from __future__ import annotations
+
+from protocol import config_hash, engine_worker_codec, worker_side_codec
+from protocol.messages import PROTOCOL_VERSION, ExecutionPlan, StepResult, WorkerConfig, WorkerHello, WorkerReady
+from rlt_engine.executor.base import Executor
+
+
+class InprocExecutor(Executor):
+    """One in-process worker; submit runs the plan at once, collect hands its result back."""
+
+    num_workers = 1
+
+    def __init__(self, config: WorkerConfig) -> None:
+        from rlt_worker.worker import Worker  # the executor is where the engine meets the worker
+
+        self._hello = WorkerHello(
+            protocol_version=PROTOCOL_VERSION, worker_index=0, config=config, config_hash=config_hash(config)
+        )
+        self._worker: Worker | None = Worker(self._hello)
+        self._worker_codec = worker_side_codec()  # the worker's end: decodes plans
+        self._engine_codec = engine_worker_codec()  # the engine's end: decodes results
+        self._done: list[tuple[int, StepResult]] = []
+
+    def _cross(self, message: WorkerReady | StepResult) -> WorkerReady | StepResult:
+        return self._engine_codec.decode(self._worker_codec.encode(message))
+
+    def start(self) -> list[WorkerReady]:
+        assert self._worker is not None
+        return [self._cross(self._worker.start())]
+
+    def submit(self, worker: int, plan: ExecutionPlan) -> None:
+        assert self._worker is not None and worker == 0
+        received = self._worker_codec.decode(self._engine_codec.encode(plan))
+        self._done.append((0, self._cross(self._worker.execute(received))))
+
+    def collect(self, timeout: float | None = None) -> list[tuple[int, StepResult]]:
+        done, self._done = self._done, []
+        return done
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None

@@ -1,0 +1,124 @@
+"""Collects one worker's step (slot ops and stage rows) and packs it into an ExecutionPlan.
+
+Batches are emitted in a fixed order, so a request can flow through several stages in one
+step without the engine seeing any device value in between:
+
+    PREFILL → FINALIZE → CODA → PRELUDE → RECURRENT
+    (a position that exited: finalize, sample output k, embed it at the next position,
+     run that position's loop 1 — the sampled token never leaves the worker)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from protocol.columns import I32, I64, pack
+from protocol.messages import (
+    Admit,
+    BlockAppends,
+    CodaBatch,
+    ExecutionPlan,
+    FinalizeBatch,
+    PrefillBatch,
+    PreludeBatch,
+    RecurrentBatch,
+    SamplingOptions,
+    Signal,
+    SlotKeys,
+    StageBatch,
+)
+from rlt_engine.kv_manager import KVAllocation
+from rlt_engine.request import Request
+
+
+class PlanBuilder:
+    """Rows of one plan, appended by the scheduler in any order, packed in stage order."""
+
+    def __init__(self, step_id: int, signal: Signal) -> None:
+        self.step_id = step_id
+        self._signal = signal
+        self._admits: list[Admit] = []
+        self._appends: list[tuple[int, int, list[list[int]]]] = []
+        self._releases: list[tuple[int, int]] = []
+        self._rows: dict[type, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self._admits or self._appends or self._releases or self._rows)
+
+    def _row(self, kind: type, request: Request, **fields: object) -> None:
+        request.last_step_id = self.step_id
+        rows = self._rows[kind]
+        rows["keys"].append(request.key)
+        rows["generations"].append(request.generation)
+        for name, value in fields.items():
+            rows[name].append(value)
+
+    # ---------------------------------------------------------------- slot ops
+
+    def admit(self, request: Request, allocation: KVAllocation) -> None:
+        params = request.params
+        sampling = SamplingOptions(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        self._admits.append(Admit(request.key, request.generation, sampling))
+        self.append_blocks(request, allocation.planes)
+        request.last_step_id = self.step_id
+
+    def append_blocks(self, request: Request, planes: list[list[int]]) -> None:
+        self._appends.append((request.key, request.generation, planes))
+
+    def release(self, key: int, generation: int) -> None:
+        self._releases.append((key, generation))
+
+    # ---------------------------------------------------------------- stages
+
+    def prefill(self, request: Request, start: int, token_ids: list[int]) -> None:
+        rows = self._rows[PrefillBatch]
+        rows["token_ids"].extend(token_ids)
+        self._row(PrefillBatch, request, start_positions=start, query_lens=len(token_ids), seeds=request.seed)
+
+    def prelude(self, request: Request, position: int, token_id: int = -1) -> None:
+        self._row(PreludeBatch, request, positions=position, token_ids=token_id, seeds=request.seed)
+
+    def recurrent(self, request: Request, position: int, first_depth: int, num_loops: int = 1) -> None:
+        self._row(RecurrentBatch, request, positions=position, first_depths=first_depth, num_loops=num_loops)
+
+    def finalize(self, request: Request, position: int, exit_depth: int) -> None:
+        self._row(FinalizeBatch, request, positions=position, exit_depths=exit_depth)
+
+    def coda(self, request: Request, position: int, output_index: int) -> None:
+        self._row(CodaBatch, request, positions=position, seeds=request.seed, sample_indices=output_index)
+
+    # ---------------------------------------------------------------- packing
+
+    def build(self) -> ExecutionPlan:
+        """The packed plan."""
+        return ExecutionPlan(
+            step_id=self.step_id,
+            admits=self._admits,
+            block_appends=self._pack_appends(),
+            batches=self._pack_batches(),
+            releases=SlotKeys(keys=pack([k for k, _ in self._releases], I64),
+                              generations=pack([g for _, g in self._releases], I64)),
+        )
+
+    def _pack_appends(self) -> BlockAppends:
+        ids = [b for _, _, planes in self._appends for plane in planes for b in plane]
+        return BlockAppends(
+            keys=pack([k for k, _, _ in self._appends], I64),
+            generations=pack([g for _, g, _ in self._appends], I64),
+            num_new=pack([len(planes[0]) if planes else 0 for _, _, planes in self._appends], I32),
+            block_ids=pack(ids, I32),
+        )
+
+    def _pack_batches(self) -> list[StageBatch]:
+        batches: list[StageBatch] = []
+        for kind in (PrefillBatch, FinalizeBatch, CodaBatch, PreludeBatch, RecurrentBatch):
+            rows = self._rows.get(kind)
+            if not rows:
+                continue
+            columns = {name: pack(values, kind.COLUMNS[name]) for name, values in rows.items()}
+            if kind is RecurrentBatch:
+                columns["signal"] = self._signal
+            batches.append(kind(**columns))
+        return batches
+

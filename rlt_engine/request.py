@@ -1,0 +1,91 @@
+"""A request's life inside the engine (SPEC §3). Only the scheduler writes these fields.
+
+Positions of a request with a prompt of P tokens that has delivered k outputs:
+
+    prompt  0 … P−1          every position runs D loops; CODA at P−1 gives output 0
+    gen     P−1+i (i ≥ 1)    holds output i−1 as its input token; its CODA gives output i
+                             after exit_depths[i] loops
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from protocol.messages import SamplingParams
+from rlt_engine.kv_manager import KVAllocation
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Phase(enum.Enum):
+    """What the next work of a running request is."""
+
+    PREFILL = "prefill"  # prompt chunks remain
+    BOUNDARY = "boundary"  # the current position's state is final: [finalize] → CODA next
+    LOOP = "loop"  # the current position is looping; `depth` loops scheduled so far
+    LAST_CODA = "last_coda"  # the final CODA is in flight; nothing follows it
+
+
+@dataclass(frozen=True)
+class LoopLimits:
+    """A request's depth limits, resolved against the engine's D and exit mode."""
+
+    min_loops: int
+    max_loops: int
+    threshold: float
+    trace: tuple[int, ...] | None
+
+
+@dataclass(eq=False)
+class Request:
+    """Engine-side state of one request life."""
+
+    request_id: str
+    key: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    limits: LoopLimits
+    seed: int
+    arrival: int  # admission order among all requests (FCFS)
+    status: RequestStatus = RequestStatus.WAITING
+    phase: Phase = Phase.PREFILL
+    generation: int = 0  # the current slot incarnation; 0 = none yet
+    worker: int = -1
+    allocation: KVAllocation | None = None
+    num_prefilled: int = 0
+    depth: int = 0  # loops scheduled at the current position
+    exit_depth: int | None = None  # known or decided exit depth of the current position
+    coda_exit_depth: int = 0  # exit depth of the position whose CODA is in flight
+    hazard_remaining: float = 1.0  # Ouro: ∏ (1 − λ) over the current position's loops
+    last_step_id: int = -1  # the last step whose plan named this request
+    output_token_ids: list[int] = field(default_factory=list)
+    exit_depths: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def position(self) -> int:
+        """The position whose loops (or CODA) run next: P−1 after prefill, then one more per output."""
+        return self.prompt_len - 1 + self.num_outputs
+
+    @property
+    def max_positions(self) -> int:
+        """Positions the request can ever occupy: the prompt plus every fed-back output."""
+        return self.prompt_len + self.params.max_tokens - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED

@@ -1,0 +1,264 @@
+"""The scheduler: the only writer of request state (SPEC §3, §6).
+
+Each call of `schedule(worker)` builds that worker's next plan at loop boundaries:
+
+    1. running decode rows first (never starved by arrivals): the next loop of every looping
+       position, and [finalize →] CODA → PRELUDE → loop 1 for every position that exited
+       (refill: at once; no_refill: only when the worker's whole cohort has exited)
+    2. prompt chunks of admitted requests, within max_num_batched_tokens
+    3. admission of waiting requests (FCFS) while slots and KV allow
+
+`update(worker, result)` applies a StepResult: tokens, signals, exits, finishes. Rows whose
+key or generation is not the request's current one are dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from protocol.messages import SamplingParams, Signal, Stage, StepResult
+from rlt_engine.exit_policy import ExitPolicy
+from rlt_engine.kv_manager import KVManager
+from rlt_engine.plan_builder import PlanBuilder
+from rlt_engine.request import Phase, Request, RequestStatus
+from rlt_engine.rng import RngRegistry
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The scheduling knobs of EngineConfig, plus the model facts the scheduler needs."""
+
+    max_depth: int  # D
+    kv_layout: str
+    refill: bool
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    prefill_chunk_size: int
+    eos_token_ids: frozenset[int]
+
+
+@dataclass
+class SchedulerStats:
+    """Counters for tests, benchmarks and health."""
+
+    num_stale_rows: int = 0
+    num_steps: int = 0
+
+
+class Scheduler:
+    """Owns every Request; plans steps per worker and applies their results."""
+
+    def __init__(
+        self, config: SchedulerConfig, policy: ExitPolicy, kv_managers: list[KVManager], rng: RngRegistry
+    ) -> None:
+        self.config = config
+        self.policy = policy
+        self.kv = kv_managers
+        self.rng = rng
+        self.stats = SchedulerStats()
+        self.waiting: deque[Request] = deque()
+        self.running: list[list[Request]] = [[] for _ in kv_managers]
+        self._live: dict[str, Request] = {}
+        self._by_key: dict[int, Request] = {}
+        self._to_admit: list[list[Request]] = [[] for _ in kv_managers]
+        self._to_release: list[list[tuple[int, int]]] = [[] for _ in kv_managers]
+        # Slots whose release was sent but not yet completed: a plan applies admits before
+        # releases, so a released slot is only reusable from the step after its release.
+        self._releases_in_flight: list[dict[int, int]] = [{} for _ in kv_managers]
+        self._next_key = 1
+        self._next_generation = 1
+        self._next_step = 1
+        self._arrivals = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def is_live(self, request_id: str) -> bool:
+        return request_id in self._live
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """Queue a validated request; its seed is registered (drawn if not given)."""
+        key = self._next_key
+        self._next_key += 1
+        seed = self.rng.register(key, params.seed)
+        limits = self.policy.limits(params, self.config.max_depth)
+        request = Request(request_id, key, list(prompt_token_ids), params, limits, seed, self._arrivals)
+        self._arrivals += 1
+        self._live[request_id] = request
+        self._by_key[key] = request
+        self.waiting.append(request)
+        return request
+
+    def abort(self, request_id: str) -> Request | None:
+        """End a live request with finish reason `abort`; None if it is not live."""
+        request = self._live.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self.finish(request, "abort")
+        return request
+
+    def finish(self, request: Request, reason: str) -> None:
+        """End a request's life: KV back after its last step, slot released in the next plan, seed dropped."""
+        if request.status == RequestStatus.RUNNING:
+            self.running[request.worker].remove(request)
+            if request in self._to_admit[request.worker]:
+                self._to_admit[request.worker].remove(request)  # never reached the worker
+            else:
+                self._to_release[request.worker].append((request.key, request.generation))
+            if request.allocation is not None:
+                self.kv[request.worker].free(request.allocation, after_step=request.last_step_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.rng.drop(request.key)
+        del self._live[request.request_id]
+        del self._by_key[request.key]
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._live)
+
+    def has_work(self, worker: int) -> bool:
+        """Whether schedule(worker) would produce a plan."""
+        return bool(self.running[worker] or self._to_release[worker] or self.waiting)
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self, worker: int) -> PlanBuilder | None:
+        """Build `worker`'s next plan, or None when it has nothing to do."""
+        self._place_waiting()
+        plan = PlanBuilder(self._next_step, self.policy.signal)
+        budget = self.config.max_num_batched_tokens
+        cohort_busy = not self.config.refill and any(r.phase == Phase.LOOP for r in self.running[worker])
+        for key, generation in self._to_release[worker]:
+            plan.release(key, generation)
+        if self._to_release[worker]:
+            self._releases_in_flight[worker][plan.step_id] = len(self._to_release[worker])
+        self._to_release[worker].clear()
+        for request in self._to_admit[worker]:
+            plan.admit(request, request.allocation)
+        self._to_admit[worker].clear()
+        for request in self.running[worker]:
+            if budget <= 0:
+                break
+            if request.phase == Phase.LOOP:
+                self._schedule_loop(plan, request)
+                budget -= 1
+            elif request.phase == Phase.BOUNDARY and not cohort_busy:
+                self._schedule_boundary(plan, request)
+                budget -= 1
+        for request in self.running[worker]:
+            if budget <= 0:
+                break
+            if request.phase == Phase.PREFILL:
+                budget -= self._schedule_prefill(plan, request, budget, cohort_busy)
+        if plan.is_empty:
+            return None
+        self._next_step += 1
+        self.stats.num_steps += 1
+        return plan
+
+    def _place_waiting(self) -> None:
+        """Admit waiting requests FCFS on the worker with the most free KV (ties: fewest running)."""
+        while self.waiting:
+            request = self.waiting[0]
+            candidates = [
+                w for w, kv in enumerate(self.kv)
+                if self._num_slots_held(w) < self.config.max_num_seqs and kv.can_allocate(request.max_positions)
+            ]
+            if not candidates:
+                return
+            worker = max(candidates, key=lambda w: (self.kv[w].num_free_blocks, -len(self.running[w])))
+            self.waiting.popleft()
+            request.worker = worker
+            request.allocation = self.kv[worker].allocate(request.max_positions)
+            request.generation = self._next_generation
+            self._next_generation += 1
+            request.status = RequestStatus.RUNNING
+            request.phase = Phase.PREFILL
+            self.running[worker].append(request)
+            self._to_admit[worker].append(request)
+
+    def _num_slots_held(self, worker: int) -> int:
+        releasing = len(self._to_release[worker]) + sum(self._releases_in_flight[worker].values())
+        return len(self.running[worker]) + releasing
+
+    def _schedule_loop(self, plan: PlanBuilder, request: Request) -> None:
+        request.depth += 1
+        plan.recurrent(request, request.position, request.depth)
+
+    def _schedule_prefill(self, plan: PlanBuilder, request: Request, budget: int, cohort_busy: bool) -> int:
+        """Schedule the next prompt chunk; returns the tokens it costs."""
+        remaining = request.prompt_len - request.num_prefilled
+        chunk = min(remaining, self.config.prefill_chunk_size, budget)
+        if self.config.kv_layout == "shared":
+            chunk = 1  # SHARED: a position finishes all its loops before the next one starts
+        start = request.num_prefilled
+        plan.prefill(request, start, request.prompt_token_ids[start : start + chunk])
+        request.num_prefilled += chunk
+        if request.num_prefilled == request.prompt_len:
+            request.phase = Phase.BOUNDARY
+            request.depth = request.exit_depth = self.config.max_depth
+            if not cohort_busy:
+                self._schedule_boundary(plan, request)
+        return chunk
+
+    def _schedule_boundary(self, plan: PlanBuilder, request: Request) -> None:
+        """[finalize →] CODA for the exited position, then PRELUDE + loop 1 of the next one."""
+        position, exit_depth = request.position, request.exit_depth
+        assert exit_depth is not None
+        if self.config.kv_layout == "last_exited" and exit_depth < self.config.max_depth:
+            plan.finalize(request, position, exit_depth)
+        output_index = request.num_outputs
+        plan.coda(request, position, output_index)
+        request.coda_exit_depth = exit_depth
+        if output_index + 1 >= request.params.max_tokens:
+            request.phase = Phase.LAST_CODA
+            return
+        request.phase = Phase.LOOP
+        request.depth = 1
+        request.hazard_remaining = 1.0
+        request.exit_depth = self.policy.planned_exit(request, output_index + 1)
+        plan.prelude(request, position + 1)
+        plan.recurrent(request, position + 1, 1)
+
+    # ------------------------------------------------------------------ results
+
+    def update(self, worker: int, result: StepResult) -> list[Request]:
+        """Apply one StepResult of `worker`; returns the requests whose output changed."""
+        self.kv[worker].retire(result.step_id)
+        self._releases_in_flight[worker].pop(result.step_id, None)
+        changed: dict[int, Request] = {}
+        rows = zip(
+            result.col("keys").tolist(), result.col("generations").tolist(), result.col("stages").tolist(),
+            result.col("depths").tolist(), result.col("signals").tolist(), result.col("tokens").tolist(),
+            result.col("logprobs").tolist(), strict=True,
+        )
+        for key, generation, stage, depth, signal, token, logprob in rows:
+            request = self._by_key.get(key)
+            if request is None or request.generation != generation or request.worker != worker:
+                self.stats.num_stale_rows += 1
+                continue
+            if stage == Stage.CODA:
+                self._apply_token(request, token, logprob)
+                changed[key] = request
+            elif stage == Stage.RECURRENT:
+                self._apply_loop(request, depth, signal)
+        return list(changed.values())
+
+    def _apply_token(self, request: Request, token: int, logprob: float) -> None:
+        request.output_token_ids.append(token)
+        request.exit_depths.append(request.coda_exit_depth)
+        request.logprobs.append(logprob)
+        params = request.params
+        if request.num_outputs >= params.max_tokens:
+            self.finish(request, "length")
+        elif token in params.stop_token_ids or (not params.ignore_eos and token in self.config.eos_token_ids):
+            self.finish(request, "stop")
+
+    def _apply_loop(self, request: Request, depth: int, signal: float) -> None:
+        if request.exit_depth is None and self.policy.signal != Signal.NONE:
+            request.exit_depth = self.policy.observe(request, depth, signal)
+        if request.exit_depth is not None and depth >= request.exit_depth:
+            request.phase = Phase.BOUNDARY

@@ -1,0 +1,322 @@
+"""Paged attention in Triton: the GPU path, with torch_ref.paged_attention's exact contract.
+
+One launch serves every row (decode rows at mixed loop depths and prefill-chunk rows alike):
+a row is a query token with its own block-table row and context length.
+
+Kernel design (flash-decoding):
+
+    grid = (rows, kv heads, splits)
+    program (n, h, s): the GROUP query heads sharing kv head h, as one [GROUP_PAD, Dh] tile;
+        tokens [s·span, min((s+1)·span, ctx_n)) in tiles of TILE tokens; each tile gathers its
+        K/V rows [TILE, Dh] slot by slot through the block table (so TILE is independent of
+        the block size), scores with tl.dot (or tl.sum when a dot cannot be used) and folds
+        them into an online softmax accumulated in fp32 (fp64 for fp64 inputs).
+    splits = 1: the program normalizes and writes the output directly.
+    splits > 1: each writes (max, sum, unnormalized acc) to fp32 scratch and a second
+        kernel, grid (rows, q heads), merges the splits.
+
+The split count is chosen on the host from shapes alone (rows, kv heads, block-table width,
+SM count), never from context_lens' values: no device→host sync, so the call can be captured
+in a CUDA graph.
+
+Triton is imported defensively and kernels are jitted on first use: importing this module
+works on a machine without CUDA (or without Triton), and TRITON_INTERPRET, which Triton reads
+when a kernel is decorated, takes effect whenever it is set before the first call.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rlt_worker.attention.torch_ref import copy_kv_slots
+
+try:  # Triton is a dependency, but keep the import from failing where no wheel exists.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only without Triton
+    triton = None
+    tl = None
+
+__all__ = ["copy_kv_slots", "paged_attention", "write_kv"]
+
+_LOG2E = 1.4426950408889634
+# Fewest tokens worth giving a split: below this the merge costs more than it wins.
+_MIN_SPLIT_TOKENS = 256
+
+
+def _attn_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+    qk_scale,
+    stride_qn, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_btn, stride_btb,
+    stride_on, stride_oh, stride_od,
+    split_tokens,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_F64: tl.constexpr,
+):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    acc_dtype = tl.float64 if ACC_F64 else tl.float32
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D_PAD)
+    g_ok = g < GROUP
+    d_ok = d < HEAD_DIM
+    heads = kv_head * GROUP + g
+
+    q_ptrs = q_ptr + row * stride_qn + heads[:, None] * stride_qh + d[None, :] * stride_qd
+    # Padded heads/dims load as 0: their scores are finite and never stored.
+    q = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    if not USE_DOT:
+        q = q.to(acc_dtype)
+
+    ctx = tl.load(ctx_ptr + row)
+    start = split * split_tokens
+    end = tl.minimum(start + split_tokens, ctx)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=acc_dtype)
+    l_i = tl.zeros([GROUP_PAD], dtype=acc_dtype)
+    acc = tl.zeros([GROUP_PAD, D_PAD], dtype=acc_dtype)
+
+    t_local = tl.arange(0, TILE)
+    for t0 in range(start, end, TILE):
+        t = t0 + t_local
+        t_ok = t < end
+        # Per-token block lookup; masked so a table narrower than the padded tile is never overread.
+        blk = tl.load(bt_ptr + row * stride_btn + (t // BLOCK_SIZE) * stride_btb, mask=t_ok, other=0)
+        # int64: block × block stride overflows int32 on large pools.
+        blk = blk.to(tl.int64)
+        off_in = t % BLOCK_SIZE
+        kv_ok = t_ok[:, None] & d_ok[None, :]
+        k_ptrs = (k_ptr + blk[:, None] * stride_kb + off_in[:, None] * stride_ks + kv_head * stride_kh
+                  + d[None, :] * stride_kd)
+        v_ptrs = (v_ptr + blk[:, None] * stride_vb + off_in[:, None] * stride_vs + kv_head * stride_vh
+                  + d[None, :] * stride_vd)
+        # other=0: stale slots past the context may hold NaN/inf, and 0·NaN would poison the dot.
+        k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
+
+        if USE_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [GROUP_PAD, TILE] fp32
+        else:
+            s = tl.sum(q[:, None, :] * k.to(acc_dtype)[None, :, :], axis=2)
+        s = s * qk_scale  # log2 domain: exp2 below
+        s = tl.where(t_ok[None, :], s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile holds ≥ 1 valid token
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if USE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(acc_dtype)[None, :, :], axis=1)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        o_ptrs = out_ptr + row * stride_on + heads[:, None] * stride_oh + d[None, :] * stride_od
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    else:
+        # Scratch layout: m/l [rows, Hq, NUM_SPLITS], acc [rows, Hq, NUM_SPLITS, D_PAD], contiguous.
+        # A split past the context stores m = -inf, l = 0, acc = 0, which the merge weighs as 0.
+        ml_off = (row * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+        tl.store(m_ptr + ml_off, m_i, mask=g_ok)
+        tl.store(l_ptr + ml_off, l_i, mask=g_ok)
+        tl.store(acc_ptr + ml_off[:, None] * D_PAD + d[None, :], acc, mask=g_ok[:, None])
+
+
+def _merge_kernel(
+    m_ptr, l_ptr, acc_ptr, out_ptr,
+    stride_on, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    sp = tl.arange(0, S_PAD)
+    d = tl.arange(0, D_PAD)
+    sp_ok = sp < NUM_SPLITS
+    base = (row * tl.num_programs(1) + head) * NUM_SPLITS
+    m = tl.load(m_ptr + base + sp, mask=sp_ok, other=float("-inf"))
+    l = tl.load(l_ptr + base + sp, mask=sp_ok, other=0.0)
+    acc = tl.load(acc_ptr + (base + sp)[:, None] * D_PAD + d[None, :], mask=sp_ok[:, None], other=0.0)
+    m_max = tl.max(m, axis=0)  # finite: split 0 always holds token 0
+    w = tl.exp2(m - m_max)  # empty splits: exp2(-inf) = 0
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptr + row * stride_on + head * stride_oh + d * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def _write_kv_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+    stride_kn, stride_kh, stride_kd,
+    stride_vn, stride_vh, stride_vd,
+    stride_kcb, stride_kcs, stride_kch, stride_kcd,
+    stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    NUM_KV_HEADS: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    n = tl.program_id(0)
+    h = tl.arange(0, H_PAD)
+    d = tl.arange(0, D_PAD)
+    ok = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    k = tl.load(k_ptr + n * stride_kn + h[:, None] * stride_kh + d[None, :] * stride_kd, mask=ok)
+    v = tl.load(v_ptr + n * stride_vn + h[:, None] * stride_vh + d[None, :] * stride_vd, mask=ok)
+    kc = kc_ptr + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + d[None, :] * stride_kcd
+    vc = vc_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :] * stride_vcd
+    tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=ok)
+    tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=ok)
+
+
+def _interpreting() -> bool:
+    """Whether Triton would build interpreter kernels now (TRITON_INTERPRET, read as Triton reads it)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes", "y")
+
+
+@functools.cache
+def _jit(fn: Callable[..., Any], interpret: bool) -> Any:
+    """fn decorated by triton.jit, once per mode: Triton fixes interpreter vs compiled at decoration."""
+    del interpret  # only part of the cache key; triton.jit reads the environment itself
+    return triton.jit(fn)
+
+
+def _kernel(fn: Callable[..., Any]) -> Any:
+    """The jitted kernel for fn in the current TRITON_INTERPRET mode."""
+    if triton is None:
+        raise RuntimeError("rlt_worker.attention.triton_backend needs Triton; use torch_ref instead")
+    return _jit(fn, _interpreting())
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    """Multiprocessor count of a CUDA device."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _check_device(*tensors: torch.Tensor) -> None:
+    """Compiled kernels need CUDA tensors; CPU tensors work only under TRITON_INTERPRET=1."""
+    if not _interpreting() and any(t.device.type != "cuda" for t in tensors):
+        raise ValueError("Triton backend: tensors must be on CUDA (or set TRITON_INTERPRET=1 for CPU tests)")
+
+
+def _auto_splits(num_rows: int, num_kv_heads: int, max_tokens: int, device: torch.device) -> int:
+    """Splits per (row, kv head) so that small batches still fill the GPU; 1 when they already do."""
+    if device.type != "cuda":
+        return 1
+    programs = num_rows * num_kv_heads
+    target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= target:
+        return 1
+    by_occupancy = math.ceil(target / programs)
+    by_length = max(1, max_tokens // _MIN_SPLIT_TOKENS)
+    return max(1, min(by_occupancy, by_length, 16))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    tile: int | None = None,
+) -> torch.Tensor:
+    """Attention of q [N, Hq, Dh] over each row's first context_lens[i] cached positions (torch_ref's contract).
+
+    k_cache, v_cache: [num_blocks, block_size, Hkv, Dh], any strides (views of a bigger pool are read
+    in place); block_tables: int32 [N, max_blocks], any strides; context_lens: int32 [N] ≥ 1 and
+    ≤ max_blocks·block_size. num_splits / tile override the heuristics (tests, tuning).
+    """
+    num_rows, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, kv_dim = k_cache.shape
+    if v_cache.shape != k_cache.shape or kv_dim != head_dim:
+        raise ValueError(f"cache shapes {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not fit q {tuple(q.shape)}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_rows or context_lens.shape != (num_rows,):
+        raise ValueError("block_tables must be [N, max_blocks] and context_lens [N]")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"dtype mismatch: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    _check_device(q, k_cache, v_cache, block_tables, context_lens)
+    out = torch.empty_like(q)
+    if num_rows == 0:
+        return out
+    context_lens = context_lens.to(torch.int32)  # no-op (no copy) when already int32
+    block_tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
+
+    group = num_heads // num_kv_heads
+    f64 = q.dtype == torch.float64
+    # tl.dot needs every dim ≥ 16; fp64 (an oracle dtype, not a serving one) takes the tl.sum path,
+    # which also avoids relying on fp64 MMA support.
+    use_dot = not f64 and head_dim >= 16
+    group_pad = max(triton.next_power_of_2(group), 16 if use_dot else 1)
+    d_pad = triton.next_power_of_2(head_dim)
+    if tile is None:
+        tile = 64 if use_dot else 16
+    max_tokens = block_tables.shape[1] * block_size
+    splits = num_splits if num_splits is not None else _auto_splits(num_rows, num_kv_heads, max_tokens, q.device)
+    splits = max(1, min(splits, max(1, math.ceil(max_tokens / tile))))
+    # Each split spans whole tiles so that only the last tile of a row is partial.
+    split_tokens = math.ceil(math.ceil(max_tokens / splits) / tile) * tile
+    splits = max(1, math.ceil(max_tokens / split_tokens))
+
+    acc_dtype = torch.float64 if f64 else torch.float32
+    if splits > 1:
+        m = torch.empty(num_rows, num_heads, splits, device=q.device, dtype=acc_dtype)
+        l = torch.empty_like(m)
+        acc = torch.empty(num_rows, num_heads, splits, d_pad, device=q.device, dtype=acc_dtype)
+    else:
+        m = l = acc = out  # unused by the single-split kernel
+    compiled = not _interpreting()
+    launch_opts: dict[str, int] = {"num_warps": 4, "num_stages": 3} if compiled else {}
+
+    _kernel(_attn_kernel)[(num_rows, num_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, m, l, acc,
+        float(scale) * _LOG2E,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
+        split_tokens,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
+        BLOCK_SIZE=block_size, TILE=tile, NUM_SPLITS=splits,
+        USE_DOT=use_dot, DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, ACC_F64=f64,
+        **launch_opts,
+    )
+    if splits > 1:
+        _kernel(_merge_kernel)[(num_rows, num_heads)](
+            m, l, acc, out, *out.stride(),
+            HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=splits, S_PAD=triton.next_power_of_2(splits),
+        )
+    return out
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store k/v [N, Hkv, Dh] at flat cache slots (block * block_size + offset) [N], in one launch.
+
+    Unlike torch_ref.write_kv the caches may be any strided view; slots must lie in [0, num_slots).
+    """
+    num_rows, num_kv_heads, head_dim = k.shape
+    if num_rows == 0:
+        return
+    _check_device(k_cache, v_cache, k, v, slot_mapping)
+    _kernel(_write_kv_kernel)[(num_rows,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+        NUM_KV_HEADS=num_kv_heads, H_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1],
+    )

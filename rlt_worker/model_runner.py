@@ -1,0 +1,293 @@
+"""The ModelRunner: the slot table, the model and the sampler of one worker.
+
+It executes an ExecutionPlan's stage batches against per-slot device state and returns one
+StepResult. It never sees a Request: rows arrive as (key, generation) columns and the slot
+table maps them to device rows.
+
+Per-slot device state (one row per slot):
+    state      the current position's loop state (Ouro: normed h; Huginn: s)
+    embedded   the current position's injected input (Ouro: embedding; Huginn: prelude e)
+    tokens     the token the slot's last CODA sampled (the next PRELUDE's input)
+    prev_logp  Huginn KL: the previous loop's next-token log-distribution
+    block_tables [planes, max_blocks]: the mirror of the engine's allocation, grown by deltas
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from protocol.messages import (
+    Admit,
+    BlockAppends,
+    CodaBatch,
+    ExecutionPlan,
+    FinalizeBatch,
+    PrefillBatch,
+    PreludeBatch,
+    RecurrentBatch,
+    Signal,
+    SlotKeys,
+    Stage,
+    StepResult,
+)
+from rlt_worker.attention import get_backend
+from rlt_worker.kv_storage import LAST_EXITED, KVStorage
+from rlt_worker.models.base import LoopedModel
+from rlt_worker.paged_context import PagedContext, PagedPlaneView
+from rlt_worker.philox import truncated_normal
+from rlt_worker.sampler import SamplingTensors, sample
+from rlt_worker.step_results import ResultBuilder
+
+
+class SlotError(RuntimeError):
+    """A plan named a slot the runner does not hold (or one it already holds)."""
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """What the runner needs beyond the model and the storage."""
+
+    kv_layout: str
+    max_loops: int  # D
+    num_planes: int
+    max_slots: int
+    attention_backend: str
+    state_init: str  # Huginn: "random" | "zero"
+
+
+class ModelRunner:
+    """Executes plans; owns the slot table and every per-slot device tensor."""
+
+    def __init__(self, model: LoopedModel, storage: KVStorage, config: RunnerConfig) -> None:
+        info = model.info
+        self.model = model
+        self.storage = storage
+        self.config = config
+        self.device = storage.pool.device
+        self._backend = get_backend(config.attention_backend)
+        dtype = storage.pool.dtype
+        slots, hidden = config.max_slots, info.hidden_size
+        max_blocks = math.ceil(info.max_model_len / storage.block_size)
+        self.state = torch.zeros(slots, hidden, dtype=dtype, device=self.device)
+        self.embedded = torch.zeros(slots, hidden, dtype=dtype, device=self.device)
+        self.tokens = torch.zeros(slots, dtype=torch.long, device=self.device)
+        # The host copy answers host-side questions (finalize addresses) without a device readback.
+        self._host_tables = np.zeros((slots, config.num_planes, max_blocks), dtype=np.int32)
+        self.block_tables = torch.zeros(slots, config.num_planes, max_blocks, dtype=torch.int32, device=self.device)
+        signal_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        self.prev_logp = (
+            torch.zeros(slots, info.vocab_size, dtype=signal_dtype, device=self.device)
+            if info.has_coda_signal
+            else None
+        )
+        self.temperature = torch.ones(slots, dtype=torch.float64, device=self.device)
+        self.top_k = torch.full((slots,), -1, dtype=torch.long, device=self.device)
+        self.top_p = torch.ones(slots, dtype=torch.float64, device=self.device)
+        self._num_blocks = [0] * slots
+        self._slot_of: dict[tuple[int, int], int] = {}
+        self._free_slots = list(range(slots - 1, -1, -1))
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    # ------------------------------------------------------------------ plan
+
+    @torch.inference_mode()
+    def execute(self, plan: ExecutionPlan) -> StepResult:
+        """Apply a plan in its order (admits, appends, batches, releases) and report its rows."""
+        results = ResultBuilder(plan.step_id)
+        for admit in plan.admits:
+            self._admit(admit)
+        self._append_blocks(plan.block_appends)
+        for batch in plan.batches:
+            if isinstance(batch, PrefillBatch):
+                self._prefill(batch)
+            elif isinstance(batch, PreludeBatch):
+                self._prelude(batch)
+            elif isinstance(batch, RecurrentBatch):
+                self._recurrent(batch, results)
+            elif isinstance(batch, FinalizeBatch):
+                self._finalize(batch)
+            elif isinstance(batch, CodaBatch):
+                self._coda(batch, results)
+        self._release(plan.releases)
+        return results.build(num_free_slots=self.num_free_slots)
+
+    # ------------------------------------------------------------------ slot table
+
+    def _admit(self, admit: Admit) -> None:
+        identity = (admit.key, admit.generation)
+        if identity in self._slot_of:
+            raise SlotError(f"slot {identity} is already open")
+        if not self._free_slots:
+            raise SlotError(f"no free slot for {identity}: all {self.config.max_slots} are in use")
+        slot = self._free_slots.pop()
+        self._slot_of[identity] = slot
+        self._num_blocks[slot] = 0
+        self.temperature[slot] = admit.sampling.temperature
+        self.top_k[slot] = admit.sampling.top_k
+        self.top_p[slot] = admit.sampling.top_p
+
+    def _release(self, releases: SlotKeys) -> None:
+        for identity in zip(releases.col("keys").tolist(), releases.col("generations").tolist(), strict=True):
+            slot = self._slot_of.pop(identity, None)
+            if slot is None:
+                raise SlotError(f"release of unknown slot {identity}")
+            self._free_slots.append(slot)
+
+    def _slots(self, keys: np.ndarray, generations: np.ndarray) -> list[int]:
+        try:
+            return [self._slot_of[k] for k in zip(keys.tolist(), generations.tolist(), strict=True)]
+        except KeyError as missing:
+            raise SlotError(f"plan names unknown slot {missing.args[0]}") from None
+
+    def _append_blocks(self, appends: BlockAppends) -> None:
+        if not appends.num_rows:
+            return
+        slots = self._slots(appends.col("keys"), appends.col("generations"))
+        block_ids = appends.col("block_ids")
+        planes, offset = self.config.num_planes, 0
+        for slot, count in zip(slots, appends.col("num_new").tolist(), strict=True):
+            ids = block_ids[offset : offset + planes * count].reshape(planes, count)
+            offset += planes * count
+            start = self._num_blocks[slot]
+            self._host_tables[slot, :, start : start + count] = ids
+            self.block_tables[slot, :, start : start + count] = torch.from_numpy(ids.astype(np.int32))
+            self._num_blocks[slot] = start + count
+
+    # ------------------------------------------------------------------ contexts
+
+    def _tensor(self, values: np.ndarray | list[int]) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(values, dtype=np.int64), device=self.device)
+
+    def _loop_plane(self, depths: torch.Tensor) -> torch.Tensor:
+        return depths - 1 if self.config.kv_layout == LAST_EXITED else torch.zeros_like(depths)
+
+    def _context(self, slots: torch.Tensor, positions: torch.Tensor, depths: torch.Tensor | None) -> PagedContext:
+        """Views of each row's depth plane (when depths are given) and of the outer plane."""
+        block_size = self.storage.block_size
+        loop_view = outer_view = None
+        if depths is not None:
+            tables = self.block_tables[slots, self._loop_plane(depths)]
+            loop_view = PagedPlaneView(tables, positions, block_size)
+        if self.model.info.num_outer_kv_layers:
+            tables = self.block_tables[slots, self.config.num_planes - 1]
+            outer_view = PagedPlaneView(tables, positions, block_size)
+        return PagedContext(self.storage, self._backend, positions, loop_view, outer_view)
+
+    def _initial_state(self, embedded: torch.Tensor, seeds: np.ndarray, positions: torch.Tensor) -> torch.Tensor:
+        noise = None
+        if self.model.info.family == "huginn" and self.config.state_init == "random":
+            seed_tensor = torch.from_numpy(seeds.view(np.int64).copy()).to(self.device)
+            noise = truncated_normal(seed_tensor, positions, self.model.info.hidden_size)
+        return self.model.init_state(embedded, noise)
+
+    def _reset_kl(self, slots: torch.Tensor) -> None:
+        if self.prev_logp is not None:
+            self.prev_logp[slots] = -math.log(self.model.info.vocab_size)
+
+    # ------------------------------------------------------------------ stages
+
+    def _prefill(self, batch: PrefillBatch) -> None:
+        query_lens = batch.col("query_lens")
+        if self.config.kv_layout != LAST_EXITED and query_lens.max() > 1:
+            raise SlotError("SHARED prefill runs one position at a time (query_lens must be 1)")
+        row_slots = self._slots(batch.col("keys"), batch.col("generations"))
+        slots = self._tensor(np.repeat(row_slots, query_lens))
+        starts = batch.col("start_positions")
+        positions = self._tensor(np.concatenate([np.arange(s, s + n) for s, n in zip(starts, query_lens, strict=True)]))
+        tokens = self._tensor(batch.col("token_ids"))
+        embedded = self.model.embed(tokens, positions, self._context(slots, positions, None))
+        state = self._initial_state(embedded, np.repeat(batch.col("seeds"), query_lens), positions)
+        for depth in range(1, self.config.max_loops + 1):
+            depths = torch.full_like(positions, depth)
+            state = self.model.loop(state, embedded, positions, self._context(slots, positions, depths))
+        if self.model.info.num_outer_kv_layers:  # Huginn: coda K/V of every prompt position
+            self.model.coda(state, positions, self._context(slots, positions, None))
+        last = self._tensor(np.cumsum(query_lens) - 1)
+        self.state[self._tensor(row_slots)] = state[last]
+        self.embedded[self._tensor(row_slots)] = embedded[last]
+
+    def _prelude(self, batch: PreludeBatch) -> None:
+        slots = self._tensor(self._slots(batch.col("keys"), batch.col("generations")))
+        positions = self._tensor(batch.col("positions"))
+        given = self._tensor(batch.col("token_ids"))
+        tokens = torch.where(given >= 0, given, self.tokens[slots])
+        embedded = self.model.embed(tokens, positions, self._context(slots, positions, None))
+        self.state[slots] = self._initial_state(embedded, batch.col("seeds"), positions)
+        self.embedded[slots] = embedded
+        self._reset_kl(slots)
+
+    def _recurrent(self, batch: RecurrentBatch, results: ResultBuilder) -> None:
+        keys, generations = batch.col("keys"), batch.col("generations")
+        row_slots = np.asarray(self._slots(keys, generations), dtype=np.int64)
+        positions, first = batch.col("positions"), batch.col("first_depths")
+        num_loops = batch.col("num_loops")
+        if batch.signal != Signal.NONE and num_loops.max() > 1:
+            raise SlotError("rows that return a signal run one loop per plan")
+        signals = torch.full((len(row_slots),), math.nan, dtype=torch.float64, device=self.device)
+        for j in range(int(num_loops.max())):
+            active = np.flatnonzero(num_loops > j)
+            slots, pos = self._tensor(row_slots[active]), self._tensor(positions[active])
+            depths = self._tensor(first[active] + j)
+            previous = self.state[slots]
+            state = self.model.loop(previous, self.embedded[slots], pos, self._context(slots, pos, depths))
+            if batch.signal != Signal.NONE:
+                signals[self._tensor(active)] = self._signal(batch.signal, slots, pos, previous, state)
+            self.state[slots] = state
+        results.add(Stage.RECURRENT, keys, generations, depths=first + num_loops - 1, signals=signals)
+
+    def _signal(
+        self, kind: Signal, slots: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor, state: torch.Tensor
+    ) -> torch.Tensor:
+        if kind == Signal.GATE:
+            return self.model.exit_gate(state).double()
+        if kind == Signal.LATENT:
+            change = (state - previous).double().norm(dim=-1)
+            return change / state.double().norm(dim=-1)
+        # KL(p_{d-1} ‖ p_d); this coda's K/V is overwritten by the position's final CODA.
+        hidden = self.model.coda(state, positions, self._context(slots, positions, None))
+        logp = torch.log_softmax(self.model.lm_head(hidden).to(self.prev_logp.dtype), dim=-1)
+        prev = self.prev_logp[slots]
+        self.prev_logp[slots] = logp
+        return (prev.exp() * (prev - logp)).sum(dim=-1).double()
+
+    def _finalize(self, batch: FinalizeBatch) -> None:
+        if self.config.kv_layout != LAST_EXITED:
+            return  # SHARED: the one plane already holds each position's last loop
+        slots = self._slots(batch.col("keys"), batch.col("generations"))
+        src, dst = [], []
+        block_size = self.storage.block_size
+        for slot, position, exit_depth in zip(
+            slots, batch.col("positions").tolist(), batch.col("exit_depths").tolist(), strict=True
+        ):
+            table = self._host_tables[slot, :, position // block_size].tolist()
+            offset = position % block_size
+            for plane in range(exit_depth, self.config.max_loops):
+                src.append(table[exit_depth - 1] * block_size + offset)
+                dst.append(table[plane] * block_size + offset)
+        if src:
+            self._backend.copy_kv_slots(self.storage.pool, self._tensor(src), self._tensor(dst))
+
+    def _coda(self, batch: CodaBatch, results: ResultBuilder) -> None:
+        keys, generations = batch.col("keys"), batch.col("generations")
+        slots = self._tensor(self._slots(keys, generations))
+        positions = self._tensor(batch.col("positions"))
+        hidden = self.model.coda(self.state[slots], positions, self._context(slots, positions, None))
+        logits = self.model.lm_head(hidden)
+        params = SamplingTensors(
+            temperature=self.temperature[slots],
+            top_k=self.top_k[slots],
+            top_p=self.top_p[slots],
+            seeds=torch.from_numpy(batch.col("seeds").view(np.int64).copy()).to(self.device),
+            indices=self._tensor(batch.col("sample_indices")),
+        )
+        tokens, logprobs = sample(logits, params)
+        self.tokens[slots] = tokens
+        results.add(Stage.CODA, keys, generations, tokens=tokens, logprobs=logprobs)
+

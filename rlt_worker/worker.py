@@ -1,0 +1,106 @@
+"""The Worker: one device, its model replica, its KV storage and its runner.
+
+`Worker` is the same object in every executor: the in-process executor calls it directly
+(through encoded frames), a worker process wraps it in a socket loop (worker_process.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from protocol import PROTOCOL_VERSION, config_hash
+from protocol.messages import ExecutionPlan, StepResult, WorkerConfig, WorkerHello, WorkerReady
+from rlt_worker.kv_storage import KVStorage, bytes_per_block, num_planes
+from rlt_worker.model_runner import ModelRunner, RunnerConfig
+from rlt_worker.models.loader import load_model
+
+log = logging.getLogger("rlt.worker")
+
+DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+CPU_DEFAULT_NUM_BLOCKS = 512
+
+
+class HandshakeError(RuntimeError):
+    """The engine and the worker disagree on protocol version or configuration."""
+
+
+class Worker:
+    """Builds the model, the KV pool and the runner from a WorkerHello; executes plans."""
+
+    def __init__(self, hello: WorkerHello) -> None:
+        if hello.protocol_version != PROTOCOL_VERSION:
+            raise HandshakeError(
+                f"engine speaks protocol version {hello.protocol_version}, worker speaks {PROTOCOL_VERSION}"
+            )
+        own_hash = config_hash(hello.config)
+        if own_hash != hello.config_hash:
+            raise HandshakeError(f"config hash mismatch: engine {hello.config_hash}, worker {own_hash}")
+        self.index = hello.worker_index
+        self.config = hello.config
+        self.runner: ModelRunner | None = None
+
+    def start(self) -> WorkerReady:
+        """Load the model, size and allocate the KV pool, build the runner."""
+        config = self.config
+        if config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
+        device = torch.device(config.device)
+        dtype = DTYPES[config.dtype]
+        model = load_model(config.model, dtype=dtype, device=device)
+        info = model.info
+        max_loops = config.max_loops or info.default_loops
+        planes = num_planes(info, config.kv_layout, max_loops)
+        num_blocks = config.num_blocks or self._auto_num_blocks(info, dtype, device)
+        storage = KVStorage(info, num_blocks, config.block_size, dtype, device)
+        runner_config = RunnerConfig(
+            kv_layout=config.kv_layout,
+            max_loops=max_loops,
+            num_planes=planes,
+            max_slots=config.max_num_seqs,
+            attention_backend=config.attention_backend,
+            state_init=config.state_init,
+        )
+        self.runner = ModelRunner(model, storage, runner_config)
+        log.info("worker %d ready on %s: %d KV blocks, %d planes", self.index, device, num_blocks, planes)
+        return WorkerReady(
+            protocol_version=PROTOCOL_VERSION,
+            worker_index=self.index,
+            config_hash=config_hash(config),
+            device=str(device),
+            num_blocks=num_blocks,
+            num_planes=planes,
+            max_loops=max_loops,
+            model=info,
+            pid=os.getpid(),
+        )
+
+    def _auto_num_blocks(self, info, dtype: torch.dtype, device: torch.device) -> int:
+        if device.type != "cuda":
+            return CPU_DEFAULT_NUM_BLOCKS
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        budget = total * self.config.gpu_memory_utilization - used
+        # Keep room for activations and the runner's per-slot state.
+        budget -= 2 * 1024**3
+        return max(1, int(budget // bytes_per_block(info, self.config.block_size, dtype)))
+
+    def execute(self, plan: ExecutionPlan) -> StepResult:
+        """Run one plan; a failure becomes an error result instead of killing the worker."""
+        assert self.runner is not None, "start() first"
+        try:
+            return self.runner.execute(plan)
+        except Exception as exc:  # the engine decides what a failed plan means
+            log.exception("plan %d failed", plan.step_id)
+            return StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        """Drop the runner and its device memory."""
+        self.runner = None
