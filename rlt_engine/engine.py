@@ -126,7 +126,9 @@ class LLMEngine:
             raise InvalidRequestError("exit_depths is only used with exit_mode 'trace'")
         depths, d = params.exit_depths, self.max_depth
         if depths[0] != d:
-            raise InvalidRequestError(f"exit_depths[0] must be D = {d} (output 0 comes from the prompt), got {depths[0]}")
+            raise InvalidRequestError(
+                f"exit_depths[0] must be D = {d} (output 0 comes from the prompt), got {depths[0]}"
+            )
         if any(not 1 <= e <= d for e in depths):
             raise InvalidRequestError(f"every exit_depths entry must be in 1 … {d}")
 

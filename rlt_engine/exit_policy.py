@@ -76,7 +76,8 @@ class OuroExit(ExitPolicy):
 
     def _passes(self, request: Request, depth: int) -> bool:
         limits = request.limits
-        return limits.threshold < 1.0 and depth >= limits.min_loops and 1.0 - request.hazard_remaining >= limits.threshold
+        cumulative = 1.0 - request.hazard_remaining
+        return limits.threshold < 1.0 and depth >= limits.min_loops and cumulative >= limits.threshold
 
     def _exit_after_pass(self, depth: int, max_loops: int) -> int:
         return depth

@@ -12,7 +12,7 @@ import os
 import torch
 
 from protocol import PROTOCOL_VERSION, config_hash
-from protocol.messages import ExecutionPlan, StepResult, WorkerConfig, WorkerHello, WorkerReady
+from protocol.messages import ExecutionPlan, StepResult, WorkerHello, WorkerReady
 from rlt_worker.kv_storage import KVStorage, bytes_per_block, num_planes
 from rlt_worker.model_runner import ModelRunner, RunnerConfig
 from rlt_worker.models.loader import load_model
