@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 from protocol.messages import ExecutionPlan, StepResult, WorkerReady
+
+
+@dataclass(frozen=True)
+class WorkerLost:
+    """A worker died or went silent; its plan in flight will never return."""
+
+    worker: int
+    reason: str  # e.g. "exited with signal SIGKILL", "silent for 10.0 s (worker_timeout)"
 
 
 class Executor(ABC):
@@ -21,8 +30,12 @@ class Executor(ABC):
         """Send a plan to one worker (returns before it runs when the executor is asynchronous)."""
 
     @abstractmethod
-    def collect(self, timeout: float | None = None) -> list[tuple[int, StepResult]]:
-        """Results that arrived, as (worker, result); waits up to `timeout` for the first one."""
+    def collect(self, timeout: float | None = None) -> list[tuple[int, StepResult | WorkerLost]]:
+        """Results and losses that arrived, in arrival order; waits up to `timeout` for the first one."""
+
+    def restart(self, worker: int) -> WorkerReady:
+        """Start a replacement for a lost worker (restart_workers=True)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot restart workers")
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from protocol import config_hash, engine_worker_codec, worker_side_codec
 from protocol.messages import PROTOCOL_VERSION, ExecutionPlan, StepResult, WorkerConfig, WorkerHello, WorkerReady
-from rlt_engine.executor.base import Executor
+from rlt_engine.executor.base import Executor, WorkerLost
 
 
 class InprocExecutor(Executor):
@@ -39,7 +39,7 @@ class InprocExecutor(Executor):
         received = self._worker_codec.decode(self._engine_codec.encode(plan))
         self._done.append((0, self._cross(self._worker.execute(received))))
 
-    def collect(self, timeout: float | None = None) -> list[tuple[int, StepResult]]:
+    def collect(self, timeout: float | None = None) -> list[tuple[int, StepResult | WorkerLost]]:
         done, self._done = self._done, []
         return done
 
