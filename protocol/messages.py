@@ -257,12 +257,12 @@ class CodaBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_defaul
     generations: bytes = b""  # i64 [rows]
     positions: bytes = b""  # i32 [rows]
     seeds: bytes = b""  # u64 [rows]
-    sample_indices: bytes = b""  # i32 [rows], output index i (Philox index)
+    sample_indices: bytes = b""  # i32 [rows], output index i (Philox index); −1: coda K/V only, no sample
 
     def __post_init__(self) -> None:
         self._check_columns()
         self._check_min("positions", 0)
-        self._check_min("sample_indices", 0)
+        self._check_min("sample_indices", -1)
 
 
 StageBatch = PrefillBatch | PreludeBatch | RecurrentBatch | FinalizeBatch | CodaBatch

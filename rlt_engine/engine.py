@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from protocol.messages import ExecutionPlan, SamplingParams, StepResult
 from rlt_engine.config import EngineConfig
-from rlt_engine.errors import InvalidRequestError
-from rlt_engine.executor import make_executor
+from rlt_engine.errors import EngineDeadError, InvalidRequestError
+from rlt_engine.executor import WorkerLost, make_executor
 from rlt_engine.exit_policy import TraceExit, make_exit_policy
 from rlt_engine.kv_manager import KVManager
 from rlt_engine.request import Request
@@ -63,12 +63,14 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             prefill_chunk_size=config.prefill_chunk_size,
             eos_token_ids=frozenset(ready.model.eos_token_ids),
+            coda_has_kv=ready.model.num_outer_kv_layers > 0,
         )
         self.scheduler = Scheduler(scheduler_config, self.policy, self.kv_managers, self.rng)
         self._busy: set[int] = set()
         self._plan_listeners: list[PlanListener] = []
         self._aborted: list[Request] = []
         self._closed = False
+        self.is_dead = False  # no worker left: every request failed, nothing more can run
 
     # ------------------------------------------------------------------ requests
 
@@ -76,6 +78,8 @@ class LLMEngine:
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
     ) -> None:
         """Queue a request; raises InvalidRequestError / CapacityError for this request only."""
+        if self.is_dead:
+            raise EngineDeadError("every worker of this engine is gone; start a new engine")
         params = params or SamplingParams()
         prompt_token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(request_id, prompt_token_ids, params)
@@ -161,7 +165,9 @@ class LLMEngine:
             self.executor.submit(worker, plan)
             self._busy.add(worker)
 
-    def _apply(self, worker: int, result: StepResult) -> list[Request]:
+    def _apply(self, worker: int, result: StepResult | WorkerLost) -> list[Request]:
+        if isinstance(result, WorkerLost):
+            return self._on_worker_lost(worker, result)
         if result.error:
             log.error("worker %d failed step %d: %s", worker, result.step_id, result.error)
             failed = list(self.scheduler.running[worker])
@@ -173,6 +179,19 @@ class LLMEngine:
             if not request.is_finished and self._stop_string_index(request) is not None:
                 self.scheduler.finish(request, "stop")
         return changed
+
+    def _on_worker_lost(self, worker: int, lost: WorkerLost) -> list[Request]:
+        """Replay the dead worker's requests on the others (or on its replacement)."""
+        log.error("worker %d lost (%s); replaying its requests", worker, lost.reason)
+        failed = self.scheduler.worker_lost(worker)
+        if self.config.restart_workers:
+            ready = self.executor.restart(worker)
+            self.scheduler.worker_started(worker, KVManager(ready.num_blocks, self.config.block_size, ready.num_planes))
+        elif not any(self.scheduler.alive):
+            log.error("no worker left: every in-flight request ends with an error")
+            self.is_dead = True
+            failed += self.scheduler.fail_all("error")
+        return failed
 
     def _stop_string_index(self, request: Request) -> int | None:
         if not request.params.stop:

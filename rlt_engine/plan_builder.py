@@ -86,6 +86,7 @@ class PlanBuilder:
         self._row(FinalizeBatch, request, positions=position, exit_depths=exit_depth)
 
     def coda(self, request: Request, position: int, output_index: int) -> None:
+        """Sample output `output_index` at `position`; −1 runs the coda for its K/V only."""
         self._row(CodaBatch, request, positions=position, seeds=request.seed, sample_indices=output_index)
 
     # ---------------------------------------------------------------- packing

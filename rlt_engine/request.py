@@ -30,6 +30,10 @@ class Phase(enum.Enum):
     LOOP = "loop"  # the current position is looping; `depth` loops scheduled so far
     LAST_CODA = "last_coda"  # the final CODA is in flight; nothing follows it
 
+    # A replayed request (after preemption or a worker crash) walks the same phases: its
+    # prompt, then every position holding a delivered output at that output's recorded exit
+    # depth, with the delivered token as input and nothing sampled (SPEC §7 depth-faithful replay).
+
 
 @dataclass(frozen=True)
 class LoopLimits:
@@ -58,11 +62,13 @@ class Request:
     worker: int = -1
     allocation: KVAllocation | None = None
     num_prefilled: int = 0
+    position: int = 0  # the generated position being computed (P−1 once the prompt is done)
     depth: int = 0  # loops scheduled at the current position
     exit_depth: int | None = None  # known or decided exit depth of the current position
     coda_exit_depth: int = 0  # exit depth of the position whose CODA is in flight
     hazard_remaining: float = 1.0  # Ouro: ∏ (1 − λ) over the current position's loops
     last_step_id: int = -1  # the last step whose plan named this request
+    num_workers_lost: int = 0  # workers that died while holding this request
     output_token_ids: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -75,11 +81,6 @@ class Request:
     @property
     def num_outputs(self) -> int:
         return len(self.output_token_ids)
-
-    @property
-    def position(self) -> int:
-        """The position whose loops (or CODA) run next: P−1 after prefill, then one more per output."""
-        return self.prompt_len - 1 + self.num_outputs
 
     @property
     def max_positions(self) -> int:

@@ -36,6 +36,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     prefill_chunk_size: int
     eos_token_ids: frozenset[int]
+    coda_has_kv: bool  # Huginn: coda blocks attend, so replayed positions re-run them for K/V
 
 
 @dataclass
@@ -44,6 +45,7 @@ class SchedulerStats:
 
     num_stale_rows: int = 0
     num_steps: int = 0
+    num_replays: int = 0
 
 
 class Scheduler:
@@ -59,6 +61,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.waiting: deque[Request] = deque()
         self.running: list[list[Request]] = [[] for _ in kv_managers]
+        self.alive = [True] * len(kv_managers)
         self._live: dict[str, Request] = {}
         self._by_key: dict[int, Request] = {}
         self._to_admit: list[list[Request]] = [[] for _ in kv_managers]
@@ -121,7 +124,7 @@ class Scheduler:
 
     def has_work(self, worker: int) -> bool:
         """Whether schedule(worker) would produce a plan."""
-        return bool(self.running[worker] or self._to_release[worker] or self.waiting)
+        return self.alive[worker] and bool(self.running[worker] or self._to_release[worker] or self.waiting)
 
     # ------------------------------------------------------------------ schedule
 
@@ -165,7 +168,9 @@ class Scheduler:
             request = self.waiting[0]
             candidates = [
                 w for w, kv in enumerate(self.kv)
-                if self._num_slots_held(w) < self.config.max_num_seqs and kv.can_allocate(request.max_positions)
+                if self.alive[w]
+                and self._num_slots_held(w) < self.config.max_num_seqs
+                and kv.can_allocate(request.max_positions)
             ]
             if not candidates:
                 return
@@ -199,29 +204,94 @@ class Scheduler:
         request.num_prefilled += chunk
         if request.num_prefilled == request.prompt_len:
             request.phase = Phase.BOUNDARY
+            request.position = request.prompt_len - 1
             request.depth = request.exit_depth = self.config.max_depth
             if not cohort_busy:
                 self._schedule_boundary(plan, request)
         return chunk
 
     def _schedule_boundary(self, plan: PlanBuilder, request: Request) -> None:
-        """[finalize →] CODA for the exited position, then PRELUDE + loop 1 of the next one."""
+        """[finalize →] CODA of the exited position, then PRELUDE + loop 1 of the next one.
+
+        The CODA at position t produces output t − (P − 1). If that output was already
+        delivered (a replay), nothing is sampled and the next position is fed the delivered
+        token explicitly; otherwise the sampled token stays on the worker (token −1).
+        """
         position, exit_depth = request.position, request.exit_depth
         assert exit_depth is not None
         if self.config.kv_layout == "last_exited" and exit_depth < self.config.max_depth:
             plan.finalize(request, position, exit_depth)
-        output_index = request.num_outputs
-        plan.coda(request, position, output_index)
-        request.coda_exit_depth = exit_depth
-        if output_index + 1 >= request.params.max_tokens:
-            request.phase = Phase.LAST_CODA
-            return
+        output_index = position - (request.prompt_len - 1)
+        replaying = output_index < request.num_outputs
+        if not replaying:
+            plan.coda(request, position, output_index)
+            request.coda_exit_depth = exit_depth
+            if output_index + 1 >= request.params.max_tokens:
+                request.phase = Phase.LAST_CODA
+                return
+        elif self.config.coda_has_kv and output_index > 0:
+            plan.coda(request, position, output_index=-1)  # coda K/V of the exit state only
+        next_output = output_index + 1  # the output the next position's CODA produces
+        request.position = position + 1
         request.phase = Phase.LOOP
         request.depth = 1
         request.hazard_remaining = 1.0
-        request.exit_depth = self.policy.planned_exit(request, output_index + 1)
-        plan.prelude(request, position + 1)
-        plan.recurrent(request, position + 1, 1)
+        if next_output < request.num_outputs:
+            request.exit_depth = request.exit_depths[next_output]
+        else:
+            request.exit_depth = self.policy.planned_exit(request, next_output)
+        token = request.output_token_ids[output_index] if replaying else -1
+        plan.prelude(request, request.position, token)
+        plan.recurrent(request, request.position, 1)
+
+    # ------------------------------------------------------------------ faults
+
+    def worker_lost(self, worker: int) -> list[Request]:
+        """A worker died: replay its requests elsewhere; returns those that end with an error.
+
+        A request that has now lost two workers ends with an error, so a request that kills
+        workers cannot take the whole fleet down.
+        """
+        self.alive[worker] = False
+        self._to_admit[worker].clear()
+        self._to_release[worker].clear()
+        self._releases_in_flight[worker].clear()
+        failed: list[Request] = []
+        for request in reversed(self.running[worker]):
+            request.num_workers_lost += 1
+            request.allocation = None  # the blocks died with the worker's pool
+            request.status = RequestStatus.WAITING
+            if request.num_workers_lost >= 2:
+                failed.append(request)
+                self.finish(request, "error")
+                continue
+            self._reset_for_replay(request)
+            self.waiting.appendleft(request)
+            self.stats.num_replays += 1
+        self.running[worker].clear()
+        return failed
+
+    def fail_all(self, reason: str) -> list[Request]:
+        """End every live request (no worker is left to run them)."""
+        requests = list(self._live.values())
+        for request in requests:
+            self.finish(request, reason)
+        return requests
+
+    def worker_started(self, worker: int, kv_manager: KVManager) -> None:
+        """A (replacement) worker is ready with an empty pool."""
+        self.kv[worker] = kv_manager
+        self.alive[worker] = True
+
+    def _reset_for_replay(self, request: Request) -> None:
+        """Start a new life of the request's slot: prompt again, delivered outputs replayed."""
+        request.worker = -1
+        request.generation = 0
+        request.phase = Phase.PREFILL
+        request.num_prefilled = 0
+        request.position = 0
+        request.depth = 0
+        request.exit_depth = None
 
     # ------------------------------------------------------------------ results
 

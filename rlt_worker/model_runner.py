@@ -279,15 +279,18 @@ class ModelRunner:
         slots = self._tensor(self._slots(keys, generations))
         positions = self._tensor(batch.col("positions"))
         hidden = self.model.coda(self.state[slots], positions, self._context(slots, positions, None))
-        logits = self.model.lm_head(hidden)
+        indices = batch.col("sample_indices")
+        sampled = np.flatnonzero(indices >= 0)  # the others ran only for their coda K/V (replay)
+        if not len(sampled):
+            return
+        rows = self._tensor(sampled)
         params = SamplingTensors(
-            temperature=self.temperature[slots],
-            top_k=self.top_k[slots],
-            top_p=self.top_p[slots],
-            seeds=torch.from_numpy(batch.col("seeds").view(np.int64).copy()).to(self.device),
-            indices=self._tensor(batch.col("sample_indices")),
+            temperature=self.temperature[slots[rows]],
+            top_k=self.top_k[slots[rows]],
+            top_p=self.top_p[slots[rows]],
+            seeds=torch.from_numpy(batch.col("seeds")[sampled].view(np.int64).copy()).to(self.device),
+            indices=self._tensor(indices[sampled]),
         )
-        tokens, logprobs = sample(logits, params)
-        self.tokens[slots] = tokens
-        results.add(Stage.CODA, keys, generations, tokens=tokens, logprobs=logprobs)
-
+        tokens, logprobs = sample(self.model.lm_head(hidden[rows]), params)
+        self.tokens[slots[rows]] = tokens
+        results.add(Stage.CODA, keys[sampled], generations[sampled], tokens=tokens, logprobs=logprobs)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rlt_engine.config import EngineConfig
-from rlt_engine.executor.base import Executor
+from rlt_engine.executor.base import Executor, WorkerLost
 
 
 def make_executor(config: EngineConfig) -> Executor:
@@ -18,4 +18,4 @@ def make_executor(config: EngineConfig) -> Executor:
     return MultiprocExecutor(config)
 
 
-__all__ = ["Executor", "make_executor"]
+__all__ = ["Executor", "WorkerLost", "make_executor"]

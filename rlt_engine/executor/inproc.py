@@ -34,6 +34,16 @@ class InprocExecutor(Executor):
         assert self._worker is not None
         return [self._cross(self._worker.start())]
 
+    def restart(self, worker: int) -> WorkerReady:
+        """A fresh Worker (empty slot table and pool) in place of the old one."""
+        from rlt_worker.worker import Worker
+
+        assert worker == 0
+        if self._worker is not None:
+            self._worker.close()
+        self._worker = Worker(self._hello)
+        return self.start()[0]
+
     def submit(self, worker: int, plan: ExecutionPlan) -> None:
         assert self._worker is not None and worker == 0
         received = self._worker_codec.decode(self._engine_codec.encode(plan))
