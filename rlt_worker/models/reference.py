@@ -114,6 +114,17 @@ def generate_reference(
     return result
 
 
+@torch.inference_mode()
+def prompt_logits(model: LoopedModel, prompt: list[int], seed: int, config: ReferenceConfig) -> torch.Tensor:
+    """Logits at the last prompt position after every prompt position ran D loops, [1, V]."""
+    ctx = DenseContext(config.kv_layout, None)
+    params = SamplingParams(max_tokens=1)
+    for t, token in enumerate(prompt):
+        state = _run_position(model, ctx, t, token, seed, config, params, exit_at=config.max_loops)
+        logits = _coda(model, ctx, t, state)
+    return logits
+
+
 def _run_position(
     model: LoopedModel,
     ctx: DenseContext,

@@ -1,0 +1,69 @@
+"""Depth-faithful replay after a worker loss (in-process worker, restarted): same outputs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from rlt_engine import LLM, SamplingParams
+from rlt_engine.executor import WorkerLost
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def run(model: str, layout: str, mode: str, lose_worker_at_step: int | None):
+    """Six seeded temperature-1 requests; optionally lose the worker before one step."""
+    llm = LLM(model, workers=0, device="cpu", dtype="float64", exit_mode=mode, kv_layout=layout,
+              restart_workers=True, max_num_seqs=4, prefill_chunk_size=4)
+    rng = random.Random(1)
+    depth = llm.engine.max_depth
+    for i in range(6):
+        max_tokens = rng.randint(3, 9)
+        options = dict(max_tokens=max_tokens, temperature=1.0, seed=50 + i, ignore_eos=True)
+        if mode == "trace":
+            options["exit_depths"] = [depth] + [rng.randint(1, depth) for _ in range(max_tokens - 1)]
+        elif mode == "ouro":
+            options["exit_threshold"] = 0.5
+        elif mode == "latent_diff":
+            options["exit_threshold"] = 0.3
+        prompt = [rng.randrange(256) for _ in range(rng.randint(2, 10))]
+        llm.engine.add_request(f"r{i}", prompt, SamplingParams(**options))
+    streams: dict[str, list[int]] = {}
+    finals, step = {}, 0
+    while llm.engine.has_unfinished_requests():
+        step += 1
+        if step == lose_worker_at_step:
+            llm.engine._on_worker_lost(0, WorkerLost(0, "injected by the test"))
+        for out in llm.engine.step():
+            seen = streams.setdefault(out.request_id, [])
+            assert out.token_ids[: len(seen)] == seen, "a delivered token changed after replay"
+            streams[out.request_id] = out.token_ids
+            if out.finished:
+                finals[out.request_id] = (out.token_ids, out.exit_depths, out.finish_reason)
+    replays = llm.engine.scheduler.stats.num_replays
+    llm.close()
+    return finals, replays
+
+
+@pytest.mark.parametrize(
+    ("model", "layout", "mode", "step"),
+    [
+        ("toy-ouro", "last_exited", "ouro", 9),
+        ("toy-ouro", "shared", "fixed", 22),
+        ("toy-huginn", "last_exited", "latent_diff", 14),
+        ("toy-huginn", "shared", "trace", 30),
+    ],
+)
+def test_replay_after_worker_loss_gives_the_fault_free_outputs(model, layout, mode, step):
+    expected, _ = run(model, layout, mode, None)
+    replayed, replays = run(model, layout, mode, step)
+    assert replays >= 2
+    assert replayed == expected
