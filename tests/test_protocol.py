@@ -161,7 +161,7 @@ def coda_batches(draw: Any) -> CodaBatch:
         generations=pack(draw(col(INT64, n)), I64),
         positions=pack(draw(col(st.integers(0, I32_MAX), n)), I32),
         seeds=pack(draw(col(UINT64, n)), U64),
-        sample_indices=pack(draw(col(st.integers(0, I32_MAX), n)), I32),
+        sample_indices=pack(draw(col(st.integers(-1, I32_MAX), n)), I32),
     )
 
 
@@ -631,7 +631,7 @@ OUT_OF_RANGE_WORKER_FRAMES = {
     "recurrent num_loops=0": _plan_frame(_batch_body(RecurrentBatch, num_loops=pack([0], I32))),
     "recurrent unknown signal": _plan_frame(_batch_body(RecurrentBatch, signal=9)),
     "finalize exit_depths=0": _plan_frame(_batch_body(FinalizeBatch, exit_depths=pack([0], I32))),
-    "coda sample_indices<0": _plan_frame(_batch_body(CodaBatch, sample_indices=pack([-1], I32))),
+    "coda sample_indices<-1": _plan_frame(_batch_body(CodaBatch, sample_indices=pack([-2], I32))),
     "block_appends num_new<0": frame(["ExecutionPlan", 1, [], [pack([1], I64), pack([1], I64),
                                                              pack([-1], I32), b""]]),
     "block_appends block_ids<0": frame(["ExecutionPlan", 1, [], [pack([1], I64), pack([1], I64),
