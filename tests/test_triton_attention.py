@@ -1,0 +1,291 @@
+"""Triton paged attention and KV writes against torch_ref (SPEC §4, §7a).
+
+On the CPU the kernels run in Triton's interpreter, in a child process started with
+TRITON_INTERPRET=1 (see _run_interp_cases). Tests marked gpu run
+the compiled kernels at Ouro-1.4B shapes against torch_ref on the same CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlt_worker.attention import torch_ref
+from rlt_worker.attention import triton_backend as tb
+
+pytestmark = pytest.mark.skipif(tb.triton is None, reason="Triton is not installed")
+
+gpu = pytest.mark.gpu
+# A process that imported Triton in interpreter mode cannot run compiled kernels.
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available() or tb._interpreting(), reason="needs CUDA and TRITON_INTERPRET unset"
+)
+
+
+@pytest.fixture
+def compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the compiled kernels, whatever the caller's environment says."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def make_batch(
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    planes: int,
+    seq_lens: list[int],
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    strided_pool: bool = False,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """A paged batch like the runner builds: every sequence holds shuffled blocks in every depth plane.
+
+    Rows: for each sequence, its decode row (context = its whole length) at a depth chosen
+    round-robin, then a prefill-chunk run of its last 3 positions (contexts pos + 1) at another
+    depth: 4 rows per sequence of length ≥ 3. A row at depth p reads plane p through its own
+    block-table row (LAST_EXITED); with planes=1 every row reads the one plane (SHARED). The
+    caches are layer 1 of a two-layer pool;
+    with strided_pool the pool is laid out block-major so the cache views are non-contiguous.
+    The block table is a column slice of a wider table, so its row stride is not max_blocks.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    dev_gen = torch.Generator(device=device).manual_seed(seed)  # big tensors are drawn where they live
+    max_blocks = max(-(-n // block_size) for n in seq_lens)
+    blocks_per_plane = len(seq_lens) * max_blocks + 3  # spare blocks hold garbage nobody may read
+    num_blocks = planes * blocks_per_plane
+    # [blocks, layers, K/V, block, Hkv, Dh]; the cache views are layer 1 of the [layers, K/V, …] pool.
+    shape = (num_blocks, 2, 2, block_size, num_kv_heads, head_dim)
+    pool = torch.randn(shape, generator=dev_gen, device=device, dtype=torch.float32).to(dtype)
+    pool = pool.permute(1, 2, 0, 3, 4, 5) if strided_pool else pool.permute(1, 2, 0, 3, 4, 5).contiguous()
+    k_cache, v_cache = pool[1, 0], pool[1, 1]
+    assert k_cache.is_contiguous() != strided_pool
+
+    # seq_tables[s][p]: sequence s's blocks in plane p, shuffled within the plane.
+    seq_tables = []
+    perms = [torch.randperm(blocks_per_plane, generator=gen) + p * blocks_per_plane for p in range(planes)]
+    for s in range(len(seq_lens)):
+        seq_tables.append([perms[p][s * max_blocks : (s + 1) * max_blocks] for p in range(planes)])
+
+    rows_bt, rows_ctx = [], []
+    for s, n in enumerate(seq_lens):
+        rows_bt.append(seq_tables[s][s % planes])
+        rows_ctx.append(n)
+        for pos in range(max(0, n - 3), n):  # a prefill chunk of the last 3 positions
+            rows_bt.append(seq_tables[s][(s + 1) % planes])
+            rows_ctx.append(pos + 1)
+    wide = torch.full((len(rows_bt), max_blocks + 5), -1, dtype=torch.int32)
+    wide[:, 2 : 2 + max_blocks] = torch.stack(rows_bt).to(torch.int32)
+    block_tables = wide[:, 2 : 2 + max_blocks]
+    assert not block_tables.is_contiguous()
+    context_lens = torch.tensor(rows_ctx, dtype=torch.int32)
+    q = torch.randn(len(rows_ctx), num_heads, head_dim, generator=gen, dtype=torch.float64).to(dtype)
+    small = dict(q=q, block_tables=block_tables, context_lens=context_lens)
+    return {name: t.to(device) for name, t in small.items()} | dict(k_cache=k_cache, v_cache=v_cache)
+
+
+def check(batch: dict[str, torch.Tensor], atol: float, rtol: float, **kwargs: int) -> None:
+    """Triton output equals torch_ref's on the same tensors within tolerance."""
+    scale = batch["q"].shape[-1] ** -0.5
+    got = tb.paged_attention(**batch, scale=scale, **kwargs)
+    # torch_ref views the caches flat, so it reads contiguous copies; Triton reads the strided views.
+    dense = {name: t.contiguous() for name, t in batch.items()}
+    want = torch_ref.paged_attention(**dense, scale=scale)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+
+
+# ---- CPU, interpreter: tiny shapes, in a subprocess ------------------------------------------
+# Triton's interpreter only works when TRITON_INTERPRET=1 is set before triton is imported (the
+# tl.* helpers are jitted at import), and pytest may have imported it already: so these cases run
+# in one child process started with the variable set, and each test reads its case's verdict.
+
+
+def _interp_attention(hq: int, hkv: int, dh: int, bs: int, planes: int, lens: list[int], strided: bool,
+                      **kwargs: int) -> None:
+    """float32, ieee dots: ragged contexts, shuffled blocks, depth planes, GQA and MHA, strided views."""
+    batch = make_batch(
+        num_heads=hq, num_kv_heads=hkv, head_dim=dh, block_size=bs, planes=planes, seq_lens=lens,
+        strided_pool=strided,
+    )
+    check(batch, atol=1e-5, rtol=1e-5, **kwargs)
+
+
+def _interp_float64() -> None:
+    """float64 inputs accumulate in float64 (tl.sum path), single and split."""
+    batch = make_batch(
+        num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, planes=2, seq_lens=[9, 21], dtype=torch.float64
+    )
+    check(batch, atol=1e-12, rtol=1e-12)
+    check(batch, atol=1e-12, rtol=1e-12, num_splits=2)
+
+
+def _interp_write_kv() -> None:
+    """write_kv stores K and V at the given slots of strided cache views, like torch_ref.write_kv."""
+    gen = torch.Generator().manual_seed(1)
+    store = torch.zeros(6, 2, 2, 4, 2, 16)  # [blocks, layers, K/V, block, Hkv, Dh]: block-major
+    k_cache, v_cache = store[:, 1, 0], store[:, 1, 1]
+    ref = torch.zeros(2, 6, 4, 2, 16)
+    k = torch.randn(5, 2, 16, generator=gen)
+    v = torch.randn(5, 2, 16, generator=gen)
+    slots = torch.tensor([0, 7, 13, 22, 23])
+    tb.write_kv(k_cache, v_cache, k, v, slots)
+    torch_ref.write_kv(ref[0], ref[1], k, v, slots)
+    assert torch.equal(k_cache, ref[0]) and torch.equal(v_cache, ref[1])
+    assert torch.count_nonzero(store[:, 0]) == 0  # the other layer is untouched
+
+
+INTERP_CASES: dict[str, Callable[[], None]] = {
+    # (Hq, Hkv, Dh, block, planes, context lengths, strided pool, overrides)
+    f"{name}-{'strided' if strided else 'contig'}": functools.partial(_interp_attention, *args, strided, **kw)
+    for name, args, kw in [
+        ("gqa-d16-b4-3planes", (4, 2, 16, 4, 3, [1, 7, 40, 13]), {}),
+        ("mha-d32-b16-shared", (4, 4, 32, 16, 1, [5, 38, 17]), {}),
+        ("gqa-split3", (4, 2, 32, 16, 2, [33, 2]), {"num_splits": 3, "tile": 16}),
+    ]
+    for strided in (False, True)
+} | {"float64": _interp_float64, "write_kv": _interp_write_kv}
+
+
+def _run_interp_cases() -> dict[str, str]:
+    """Child process body: every case's verdict, "ok" or its traceback."""
+    verdicts = {}
+    for name, case in INTERP_CASES.items():
+        try:
+            case()
+            verdicts[name] = "ok"
+        except Exception:  # report, don't stop: each case is its own test in the parent
+            verdicts[name] = traceback.format_exc()
+    return verdicts
+
+
+@pytest.fixture(scope="module")
+def interp_verdicts() -> dict[str, str]:
+    """Run all interpreter cases once in a child with TRITON_INTERPRET=1."""
+    root = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--interp-cases"],
+        env=env, cwd=root, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, f"interpreter child failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", list(INTERP_CASES))
+def test_interpreter_matches_torch_ref(interp_verdicts: dict[str, str], case: str) -> None:
+    """Each interpreter case (see INTERP_CASES) passed in the child."""
+    verdict = interp_verdicts[case]
+    assert verdict == "ok", verdict
+
+
+def test_copy_kv_slots_is_torch_ref() -> None:
+    """copy_kv_slots is torch_ref's (one gather + one scatter; overlapping src/dst stay well defined)."""
+    assert tb.copy_kv_slots is torch_ref.copy_kv_slots
+
+
+def test_cpu_tensors_without_interpreter_raise(compiled: None) -> None:
+    """A clear error, not a driver crash, when CPU tensors reach the compiled path."""
+    batch = make_batch(num_heads=2, num_kv_heads=2, head_dim=16, block_size=4, planes=1, seq_lens=[3])
+    with pytest.raises(ValueError, match="CUDA"):
+        tb.paged_attention(**batch, scale=0.25)
+
+
+# ---- GPU, compiled: Ouro-1.4B shapes -----------------------------------------------------------
+
+OURO = dict(num_heads=16, num_kv_heads=16, head_dim=128, block_size=16)
+
+
+def ouro_lens(rows: int, seed: int) -> list[int]:
+    """Sequence lengths up to 1,100, with a few short ones, for rows // 4 sequences (make_batch: 4 rows each)."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(900, 1101, (rows // 4,), generator=gen)
+    if len(lens) >= 8:
+        lens[:3] = torch.tensor([1, 17, 250])
+    return lens.tolist()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype,atol,rtol", [(torch.bfloat16, 2e-2, 2e-2), (torch.float32, 2e-5, 2e-5)])
+@pytest.mark.parametrize("rows", [64, 8])
+@pytest.mark.parametrize("strided", [False, True], ids=["contig-pool", "strided-pool"])
+def test_gpu_ouro_shapes(
+    compiled: None, dtype: torch.dtype, atol: float, rtol: float, rows: int, strided: bool
+) -> None:
+    """Decode plus prefill-chunk rows over 3 depth planes; 8 sequences exercise the split path."""
+    batch = make_batch(
+        **OURO, planes=3, seq_lens=ouro_lens(rows, seed=rows), dtype=dtype, device="cuda", strided_pool=strided
+    )
+    check(batch, atol=atol, rtol=rtol)
+    check(batch, atol=atol, rtol=rtol, num_splits=4)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype,atol,rtol", [(torch.bfloat16, 2e-2, 2e-2), (torch.float32, 2e-5, 2e-5)])
+def test_gpu_gqa(compiled: None, dtype: torch.dtype, atol: float, rtol: float) -> None:
+    """GQA (group 4, padded to the 16-row dot) and a shared plane at real head_dim."""
+    batch = make_batch(
+        num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, planes=1, seq_lens=ouro_lens(64, seed=3),
+        dtype=dtype, device="cuda",
+    )
+    check(batch, atol=atol, rtol=rtol)
+
+
+@gpu
+@needs_cuda
+def test_gpu_float64(compiled: None) -> None:
+    """float64 on the GPU takes the tl.sum path with float64 accumulation."""
+    batch = make_batch(
+        num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, planes=2, seq_lens=[300, 5],
+        dtype=torch.float64, device="cuda",
+    )
+    check(batch, atol=1e-12, rtol=1e-12)
+
+
+@gpu
+@needs_cuda
+def test_gpu_cuda_graph_replay(compiled: None) -> None:
+    """No host sync inside: the call captures in a CUDA graph and replays on new q and context lengths."""
+    batch = make_batch(**OURO, planes=2, seq_lens=[600, 700], dtype=torch.bfloat16, device="cuda")
+    scale = 128**-0.5
+    tb.paged_attention(**batch, scale=scale)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tb.paged_attention(**batch, scale=scale)
+    batch["q"].normal_()
+    batch["context_lens"].sub_(7).clamp_(min=1)
+    graph.replay()
+    want = torch_ref.paged_attention(**batch, scale=scale)
+    torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
+
+
+@gpu
+@needs_cuda
+def test_gpu_write_kv(compiled: None) -> None:
+    """write_kv on CUDA equals torch_ref.write_kv, bf16."""
+    pool = torch.zeros(2, 2, 64, 16, 16, 128, device="cuda", dtype=torch.bfloat16)
+    ref = pool.clone()
+    k = torch.randn(40, 16, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(40, 16, 128, device="cuda", dtype=torch.bfloat16)
+    slots = torch.randperm(64 * 16, device="cuda")[:40]
+    tb.write_kv(pool[1, 0], pool[1, 1], k, v, slots)
+    torch_ref.write_kv(ref[1, 0], ref[1, 1], k, v, slots)
+    assert torch.equal(pool, ref)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--interp-cases"]:
+    print(json.dumps(_run_interp_cases()))
