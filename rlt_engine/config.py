@@ -53,11 +53,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _choice("kv_layout", self.kv_layout, ("last_exited", "shared"))
-        _choice("kv_growth", self.kv_growth, ("reserve",))
+        _choice("kv_growth", self.kv_growth, ("reserve", "on_demand"))
         _choice("scheduling", self.scheduling, ("refill", "no_refill"))
-        _choice("scheduling_policy", self.scheduling_policy, ("fcfs",))
+        _choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
         _choice("state_init", self.state_init, ("random", "zero"))
-        _choice("preemption", self.preemption, ("swap", "recompute"))
+        _choice("preemption", self.preemption, ("recompute",))
         if self.exit_mode is not None:
             _choice("exit_mode", self.exit_mode, EXIT_MODES)
         if self.attention_backend is not None:

@@ -64,6 +64,9 @@ class LLMEngine:
             prefill_chunk_size=config.prefill_chunk_size,
             eos_token_ids=frozenset(ready.model.eos_token_ids),
             coda_has_kv=ready.model.num_outer_kv_layers > 0,
+            on_demand_kv=config.kv_growth == "on_demand",
+            priority=config.scheduling_policy == "priority",
+            max_bypasses=config.max_bypasses,
         )
         self.scheduler = Scheduler(scheduler_config, self.policy, self.kv_managers, self.rng)
         self._busy: set[int] = set()

@@ -78,6 +78,18 @@ class KVManager:
         planes = [[self._free.pop() for _ in range(per_plane)] for _ in range(self.num_planes)]
         return KVAllocation(planes=planes, num_positions=per_plane * self.block_size)
 
+    def can_grow(self) -> bool:
+        """Whether one more block per plane is free now."""
+        return len(self._free) >= self.num_planes
+
+    def grow(self, allocation: KVAllocation) -> list[list[int]]:
+        """Append one block to every plane of `allocation`; returns the new ids per plane."""
+        new = [[self._free.pop()] for _ in range(self.num_planes)]
+        for plane, ids in zip(allocation.planes, new, strict=True):
+            plane.extend(ids)
+        allocation.num_positions += self.block_size
+        return new
+
     def free(self, allocation: KVAllocation, after_step: int) -> None:
         """Give the blocks back once step `after_step` (the last that used them) completes."""
         ids = [b for plane in allocation.planes for b in plane]

@@ -69,6 +69,7 @@ class Request:
     hazard_remaining: float = 1.0  # Ouro: ∏ (1 − λ) over the current position's loops
     last_step_id: int = -1  # the last step whose plan named this request
     num_workers_lost: int = 0  # workers that died while holding this request
+    num_bypasses: int = 0  # later arrivals admitted before it (priority scheduling)
     output_token_ids: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)

@@ -37,6 +37,9 @@ class SchedulerConfig:
     prefill_chunk_size: int
     eos_token_ids: frozenset[int]
     coda_has_kv: bool  # Huginn: coda blocks attend, so replayed positions re-run them for K/V
+    on_demand_kv: bool = False  # admit with prompt + one block, grow as positions advance
+    priority: bool = False  # scheduling_policy="priority": lower priority number first
+    max_bypasses: int = 8
 
 
 @dataclass
@@ -46,6 +49,7 @@ class SchedulerStats:
     num_stale_rows: int = 0
     num_steps: int = 0
     num_replays: int = 0
+    num_preemptions: int = 0
 
 
 class Scheduler:
@@ -142,19 +146,20 @@ class Scheduler:
         for request in self._to_admit[worker]:
             plan.admit(request, request.allocation)
         self._to_admit[worker].clear()
-        for request in self.running[worker]:
+        for request in list(self.running[worker]):
             if budget <= 0:
                 break
-            if request.phase == Phase.LOOP:
+            if request.phase == Phase.LOOP and request.worker == worker:
                 self._schedule_loop(plan, request)
                 budget -= 1
-            elif request.phase == Phase.BOUNDARY and not cohort_busy:
-                self._schedule_boundary(plan, request)
-                budget -= 1
-        for request in self.running[worker]:
+            elif request.phase == Phase.BOUNDARY and not cohort_busy and request.worker == worker:
+                if self._ensure_positions(plan, request, min(request.position + 2, request.max_positions)):
+                    self._schedule_boundary(plan, request)
+                    budget -= 1
+        for request in list(self.running[worker]):
             if budget <= 0:
                 break
-            if request.phase == Phase.PREFILL:
+            if request.phase == Phase.PREFILL and request.worker == worker:
                 budget -= self._schedule_prefill(plan, request, budget, cohort_busy)
         if plan.is_empty:
             return None
@@ -163,27 +168,105 @@ class Scheduler:
         return plan
 
     def _place_waiting(self) -> None:
-        """Admit waiting requests FCFS on the worker with the most free KV (ties: fewest running)."""
+        """Admit waiting requests (FCFS, or by priority) on the worker with the most free KV.
+
+        Ties go to the worker with the fewest running requests. Under priority scheduling a
+        request that cannot be placed may preempt strictly lower-priority running work.
+        """
         while self.waiting:
-            request = self.waiting[0]
-            candidates = [
-                w for w, kv in enumerate(self.kv)
-                if self.alive[w]
-                and self._num_slots_held(w) < self.config.max_num_seqs
-                and kv.can_allocate(request.max_positions)
-            ]
-            if not candidates:
+            request = self._next_waiting()
+            worker = self._placement(request)
+            if worker is None and self.config.priority and self._preempt_for(request):
+                continue
+            if worker is None:
                 return
-            worker = max(candidates, key=lambda w: (self.kv[w].num_free_blocks, -len(self.running[w])))
-            self.waiting.popleft()
+            self.waiting.remove(request)
+            for other in self.waiting:
+                if other.arrival < request.arrival:
+                    other.num_bypasses += 1
             request.worker = worker
-            request.allocation = self.kv[worker].allocate(request.max_positions)
+            request.allocation = self.kv[worker].allocate(self._initial_positions(request))
             request.generation = self._next_generation
             self._next_generation += 1
             request.status = RequestStatus.RUNNING
             request.phase = Phase.PREFILL
             self.running[worker].append(request)
             self._to_admit[worker].append(request)
+
+    def _next_waiting(self) -> Request:
+        if not self.config.priority:
+            return self.waiting[0]
+        starved = [r for r in self.waiting if r.num_bypasses >= self.config.max_bypasses]
+        if starved:
+            return min(starved, key=lambda r: r.arrival)
+        return min(self.waiting, key=lambda r: (r.params.priority, r.arrival))
+
+    def _initial_positions(self, request: Request) -> int:
+        if not self.config.on_demand_kv:
+            return request.max_positions
+        return min(request.max_positions, request.prompt_len + self.kv[0].block_size)
+
+    def _placement(self, request: Request) -> int | None:
+        candidates = [
+            w for w, kv in enumerate(self.kv)
+            if self.alive[w]
+            and self._num_slots_held(w) < self.config.max_num_seqs
+            and kv.can_allocate(self._initial_positions(request))
+        ]
+        if not candidates:
+            return None
+        return max(candidates, key=lambda w: (self.kv[w].num_free_blocks, -len(self.running[w])))
+
+    def _preempt_for(self, request: Request) -> bool:
+        """Preempt the lowest-priority running request whose priority is strictly lower."""
+        victims = [
+            r for w, running in enumerate(self.running) if self.alive[w]
+            for r in running if r.params.priority > request.params.priority and r.phase != Phase.LAST_CODA
+        ]
+        if not victims:
+            return False
+        self.preempt(max(victims, key=lambda r: (r.params.priority, r.allocation.num_blocks if r.allocation else 0)))
+        return True
+
+    def _ensure_positions(self, plan: PlanBuilder, request: Request, num_positions: int) -> bool:
+        """Grow the request's KV to cover `num_positions`, preempting others if needed."""
+        allocation, kv = request.allocation, self.kv[request.worker]
+        assert allocation is not None
+        while allocation.num_positions < num_positions:
+            if not kv.can_grow():
+                victim = self._growth_victim(request, plan.step_id)
+                if victim is None:
+                    return False
+                self.preempt(victim)
+                continue
+            plan.append_blocks(request, kv.grow(allocation))
+        return True
+
+    def _growth_victim(self, request: Request, step_id: int) -> Request | None:
+        """Highest priority number, then most blocks held; never one already in this step."""
+        victims = [
+            r for r in self.running[request.worker]
+            if r is not request and r.last_step_id != step_id and r.phase != Phase.LAST_CODA
+        ]
+        if not victims:
+            return None
+        return max(victims, key=lambda r: (r.params.priority, r.allocation.num_blocks if r.allocation else 0))
+
+    def preempt(self, request: Request) -> None:
+        """Recompute preemption: free the slot and KV now, replay depth-faithfully on resume."""
+        worker = request.worker
+        self.running[worker].remove(request)
+        if request in self._to_admit[worker]:
+            self._to_admit[worker].remove(request)
+        else:
+            self._to_release[worker].append((request.key, request.generation))
+        if request.allocation is not None:
+            self.kv[worker].free(request.allocation, after_step=request.last_step_id)
+            request.allocation = None
+        request.status = RequestStatus.WAITING
+        self._reset_for_replay(request)
+        self.waiting.appendleft(request)
+        self.stats.num_preemptions += 1
 
     def _num_slots_held(self, worker: int) -> int:
         releasing = len(self._to_release[worker]) + sum(self._releases_in_flight[worker].values())
@@ -200,6 +283,8 @@ class Scheduler:
         if self.config.kv_layout == "shared":
             chunk = 1  # SHARED: a position finishes all its loops before the next one starts
         start = request.num_prefilled
+        if not self._ensure_positions(plan, request, start + chunk):
+            return 0
         plan.prefill(request, start, request.prompt_token_ids[start : start + chunk])
         request.num_prefilled += chunk
         if request.num_prefilled == request.prompt_len:

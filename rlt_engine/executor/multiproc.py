@@ -1,0 +1,557 @@
+"""MultiprocExecutor: one worker process per device behind ZeroMQ (SPEC §6, §7).
+
+Topology, in a private directory (mode 0700; socket files 0600) per executor:
+
+    engine main thread                                  worker process i
+    PAIR bind ipc://DIR/w{i}.{n}.sock  ◄────────────►  PAIR connect   hello/ready, plans/results, its heartbeats
+    pidfd(worker i) ─┐  one zmq.Poller in collect(): a result and a death are seen by the same poll
+    PAIR sockets  ───┘
+    heartbeat thread (owns only its PUB sockets)
+    PUB  bind ipc://DIR/heartbeat.sock ─────────────►  SUB connect    the engine's heartbeats, every interval / 2
+
+One PAIR per worker keeps each worker's ordering trivial and admits exactly one peer. The
+heartbeats come from a thread so that an idle engine (nobody calling collect) keeps its
+workers, while a dead or SIGSTOPped one loses them within 3 s. A remote worker gets the same
+pair over tcp://HOST:PORT with CURVE, its heartbeats on PORT + 1, its key checked by ZAP.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import msgspec
+import psutil
+import zmq
+
+from protocol import PROTOCOL_VERSION, ProtocolError, config_hash, engine_worker_codec
+from protocol.codec import Codec
+from protocol.messages import ExecutionPlan, Heartbeat, Shutdown, StepResult, WorkerConfig, WorkerHello, WorkerReady
+from rlt_engine.config import EngineConfig
+from rlt_engine.errors import WorkerStartupError
+from rlt_engine.executor.base import Executor, WorkerLost
+from rlt_worker.worker_process import heartbeat_address
+
+log = logging.getLogger("rlt.executor")
+
+HEARTBEAT_INTERVAL_S = 1.0
+STARTUP_TIMEOUT_S = 600.0  # loading a large checkpoint onto a GPU takes minutes
+SHUTDOWN_GRACE_S = 3.0
+_IPC_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) − 1
+
+
+@dataclass(frozen=True)
+class RemoteWorker:
+    """A worker on another host: the engine binds `address` with CURVE and waits for it to connect."""
+
+    address: str  # tcp://HOST:PORT; the engine's heartbeats are published on PORT + 1
+    server_secret_key_file: str  # the engine's certificate, zmq.auth format (the *.key_secret file)
+    authorized_key_files: tuple[str, ...]  # public certificates of the workers allowed to connect
+
+
+@dataclass(eq=False)
+class _Handle:
+    """The engine's side of one worker incarnation."""
+
+    index: int
+    socket: zmq.Socket
+    codec: Codec = field(default_factory=engine_worker_codec)  # one codec per socket
+    process: subprocess.Popen | None = None  # None: a remote worker
+    pidfd: int | None = None
+    log_path: str | None = None
+    last_heard: float = field(default_factory=time.monotonic)
+    hello_sent: bool = False
+    alive: bool = True
+
+    def log_tail(self, lines: int = 15) -> str:
+        """The end of the worker's stderr, for error messages."""
+        if self.log_path is None or not os.path.exists(self.log_path):
+            return ""
+        with open(self.log_path, "rb") as f:
+            f.seek(max(0, os.path.getsize(self.log_path) - 8192))
+            tail = f.read().decode(errors="replace").splitlines()[-lines:]
+        return "\n  " + "\n  ".join(tail) if tail else ""
+
+    def close(self, linger_ms: int = 0) -> None:
+        if not self.socket.closed:
+            self.socket.close(linger=linger_ms)
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+class MultiprocExecutor(Executor):
+    """Local worker processes (one per device), plus optionally one remote worker over CURVE tcp."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        remote: RemoteWorker | None = None,
+        startup_timeout: float = STARTUP_TIMEOUT_S,
+        heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
+    ) -> None:
+        self.config = config = config.resolved()
+        if config.workers < 1:
+            raise ValueError(f"MultiprocExecutor needs workers ≥ 1, got {config.workers}")
+        self.num_workers = config.workers
+        self._remote = remote  # when given, it is the last worker index
+        self._num_local = config.workers - (remote is not None)
+        self._startup_timeout = startup_timeout
+        self._heartbeat_interval = heartbeat_interval
+        self._configs = [self._worker_config(i) for i in range(config.workers)]
+        self._handles: list[_Handle | None] = [None] * config.workers
+        self._all_handles: list[_Handle] = []
+        self._processes: list[subprocess.Popen] = []  # everything spawned, for shutdown and the finalizer
+        self._owners: dict[object, _Handle] = {}  # poller item (socket or pidfd) → its worker
+        self._poller = zmq.Poller()
+        self._polled_at = time.monotonic()
+        self._incarnation = 0
+        self._dir: str | None = None
+        self._ctx: zmq.Context | None = None
+        self._heartbeats: _HeartbeatThread | None = None
+        self._auth = None
+        self._server_secret: bytes | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._closed = False
+
+    def _worker_config(self, index: int) -> WorkerConfig:
+        device = self.config.device
+        assert device is not None
+        is_local = index < self._num_local
+        if device.startswith("cuda"):
+            device = "cuda"  # a local worker sees one GPU, through CUDA_VISIBLE_DEVICES
+        # CPU workers split the cores so that N workers do not oversubscribe them N-fold.
+        threads = max(1, len(os.sched_getaffinity(0)) // max(1, self._num_local)) if device == "cpu" and is_local else 0
+        return msgspec.structs.replace(self.config.worker_config(device), num_threads=threads)
+
+    def _hello(self, index: int) -> WorkerHello:
+        config = self._configs[index]
+        return WorkerHello(
+            protocol_version=PROTOCOL_VERSION, worker_index=index, config=config,
+            config_hash=config_hash(config), heartbeat_interval_s=self._heartbeat_interval,
+        )
+
+    # ------------------------------------------------------------------ start
+
+    def start(self) -> list[WorkerReady]:
+        """Spawn (or await) every worker and handshake with all of them at once."""
+        if self._closed or self._ctx is not None:
+            raise RuntimeError("a MultiprocExecutor starts once")
+        try:
+            self._open()
+            handles = [self._launch(i) for i in range(self.num_workers)]
+            readies = self._handshake(handles)
+        except BaseException:
+            self.shutdown()  # no process, socket or directory left behind
+            raise
+        for handle in handles:
+            self._watch(handle)
+        return readies
+
+    def _open(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="rlt-")  # mode 0700
+        self._finalizer = weakref.finalize(self, _emergency_cleanup, self._dir, self._processes)
+        self._ctx = zmq.Context()
+        sockets = [self._bind(zmq.PUB, f"ipc://{self._dir}/heartbeat.sock")]
+        if self._remote is not None:
+            self._start_authenticator(self._remote)
+            sockets.append(self._bind(zmq.PUB, heartbeat_address(self._remote.address), curve=True))
+        self._heartbeats = _HeartbeatThread(sockets, self._heartbeat_interval / 2)
+        self._heartbeats.start()
+
+    def _start_authenticator(self, remote: RemoteWorker) -> None:
+        import zmq.auth
+        from zmq.auth.thread import ThreadAuthenticator
+
+        _, self._server_secret = zmq.auth.load_certificate(remote.server_secret_key_file)
+        if self._server_secret is None:
+            raise ValueError(f"{remote.server_secret_key_file} holds no secret key")
+        allowed = {zmq.auth.load_certificate(path)[0] for path in remote.authorized_key_files}
+        self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("rlt.executor.auth"))
+        self._auth.start()  # owns its own ZAP socket and thread
+        self._auth.configure_curve_callback(domain="*", credentials_provider=_AllowList(allowed))
+
+    def _bind(self, kind: int, address: str, curve: bool = False) -> zmq.Socket:
+        assert self._ctx is not None
+        if address.startswith("ipc://") and len(address) - len("ipc://") > _IPC_PATH_MAX:
+            raise ValueError(f"ipc path too long for a unix socket ({address}); use a shorter TMPDIR")
+        sock = self._ctx.socket(kind)
+        sock.linger = 0
+        if curve:
+            sock.curve_server = True
+            sock.curve_secretkey = self._server_secret
+        for attempt in range(20):
+            try:
+                sock.bind(address)
+                break
+            except zmq.ZMQError as exc:
+                # A restarted remote worker rebinds its port, which the closed socket may hold briefly.
+                if exc.errno != zmq.EADDRINUSE or attempt == 19 or not address.startswith("tcp://"):
+                    sock.close(linger=0)
+                    raise
+                time.sleep(0.1)
+        if address.startswith("ipc://"):
+            os.chmod(address[len("ipc://") :], 0o600)
+        return sock
+
+    def _launch(self, index: int) -> _Handle:
+        self._incarnation += 1
+        if index >= self._num_local:
+            assert self._remote is not None
+            handle = _Handle(index, self._bind(zmq.PAIR, self._remote.address, curve=True))
+        else:
+            address = f"ipc://{self._dir}/w{index}.{self._incarnation}.sock"
+            handle = _Handle(index, self._bind(zmq.PAIR, address))
+        self._handles[index] = handle
+        self._all_handles.append(handle)
+        if index < self._num_local:
+            self._spawn(handle, handle.socket.getsockopt_string(zmq.LAST_ENDPOINT))
+        return handle
+
+    def _spawn(self, handle: _Handle, address: str) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            # PR_SET_PDEATHSIG fires when the spawning *thread* exits, not the process.
+            log.warning("spawning worker %d from a non-main thread: its parent-death signal follows that thread",
+                        handle.index)
+        cmd = [
+            sys.executable, "-m", "rlt_worker.worker_process", "--connect", address, "--index", str(handle.index),
+            "--parent-pid", str(os.getpid()), "--heartbeat", f"ipc://{self._dir}/heartbeat.sock",
+        ]
+        env = dict(os.environ)
+        if self._configs[handle.index].device == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = _visible_device(handle.index)
+        handle.log_path = os.path.join(self._dir or "", f"w{handle.index}.{self._incarnation}.log")
+        with open(handle.log_path, "wb") as log_file:  # the worker's stderr; tails go into errors
+            handle.process = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                start_new_session=False, close_fds=True,
+            )
+        self._processes.append(handle.process)
+        handle.pidfd = os.pidfd_open(handle.process.pid)
+
+    def _handshake(self, handles: list[_Handle]) -> list[WorkerReady]:
+        """Hello to each worker once it is connected; WorkerReady back; a death fails at once."""
+        poller = zmq.Poller()
+        for handle in handles:
+            poller.register(handle.socket, zmq.POLLOUT)  # writable = the worker has connected
+            if handle.pidfd is not None:
+                poller.register(handle.pidfd, zmq.POLLIN)
+        readies: dict[int, WorkerReady] = {}
+        deadline = time.monotonic() + self._startup_timeout
+        while len(readies) < len(handles):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = [h.index for h in handles if h.index not in readies]
+                raise WorkerStartupError(f"worker(s) {missing} not ready within {self._startup_timeout:.1f} s"
+                                         + "".join(self._handles[i].log_tail() for i in missing))
+            events = dict(poller.poll(min(remaining, 1.0) * 1000))
+            for handle in handles:
+                flags = events.get(handle.socket, 0)
+                if flags & zmq.POLLOUT and not handle.hello_sent:
+                    handle.socket.send(handle.codec.encode(self._hello(handle.index)))
+                    handle.hello_sent = True
+                    poller.modify(handle.socket, zmq.POLLIN)
+                elif flags & zmq.POLLIN:
+                    readies[handle.index] = self._read_ready(handle)
+                    poller.unregister(handle.socket)
+                    if handle.pidfd is not None:
+                        poller.unregister(handle.pidfd)
+                elif handle.pidfd in events:
+                    raise WorkerStartupError(
+                        f"worker {handle.index} {_describe_exit(handle.process.wait())} during startup; "
+                        f"its log ends:{handle.log_tail()}"
+                    )
+        return [readies[h.index] for h in handles]
+
+    def _read_ready(self, handle: _Handle) -> WorkerReady:
+        i = handle.index
+        try:
+            ready = handle.codec.decode(handle.socket.recv())
+        except ProtocolError as exc:  # e.g. a worker of another protocol version
+            raise WorkerStartupError(f"worker {i} answered the hello with a bad frame: {exc}") from None
+        if not isinstance(ready, WorkerReady):
+            raise WorkerStartupError(f"worker {i} answered the hello with {type(ready).__name__}")
+        if ready.protocol_version != PROTOCOL_VERSION:
+            raise WorkerStartupError(
+                f"worker {i} speaks protocol version {ready.protocol_version}, the engine {PROTOCOL_VERSION}"
+            )
+        expected = config_hash(self._configs[i])
+        if ready.config_hash != expected or ready.worker_index != i:
+            raise WorkerStartupError(
+                f"worker {i} config hash mismatch: engine {expected}, worker {ready.config_hash} "
+                f"(worker index {ready.worker_index})"
+            )
+        handle.last_heard = time.monotonic()
+        log.info("worker %d ready (pid %d, %s, %d KV blocks)", i, ready.pid, ready.device, ready.num_blocks)
+        return ready
+
+    def _watch(self, handle: _Handle) -> None:
+        self._poller.register(handle.socket, zmq.POLLIN)
+        self._owners[handle.socket] = handle
+        if handle.pidfd is not None:
+            self._poller.register(handle.pidfd, zmq.POLLIN)
+            self._owners[handle.pidfd] = handle
+
+    def _unwatch(self, handle: _Handle) -> None:
+        for item in (handle.socket, handle.pidfd):
+            if item is not None and self._owners.pop(item, None) is not None:
+                self._poller.unregister(item)
+
+    # ------------------------------------------------------------------ run
+
+    def submit(self, worker: int, plan: ExecutionPlan) -> None:
+        """Encode and queue the plan for one worker; never blocks."""
+        handle = self._handles[worker]
+        if handle is None or not handle.alive:
+            raise RuntimeError(f"worker {worker} is not running")
+        try:
+            handle.socket.send(handle.codec.encode(plan), zmq.NOBLOCK)
+        except zmq.Again:  # no peer: the worker is going away, and collect() will say so
+            log.warning("worker %d is disconnected; plan %d dropped", worker, plan.step_id)
+
+    def collect(self, timeout: float | None = None) -> list[tuple[int, StepResult | WorkerLost]]:
+        """Results and losses in arrival order; waits up to `timeout` (None: forever) for the first."""
+        out: list[tuple[int, StepResult | WorkerLost]] = []
+        end = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        while True:
+            live = [h for h in self._handles if h is not None and h.alive]
+            if not live:
+                return out
+            now = time.monotonic()
+            wait = min(h.last_heard for h in live) + self.config.worker_timeout - now  # next silence verdict
+            if end is not None:
+                wait = min(wait, end - now)
+            self._poll(max(0.0, wait), out)
+            self._reap_silent(out)
+            if out or (end is not None and time.monotonic() >= end):
+                return out
+
+    def _poll(self, wait_s: float, out: list) -> None:
+        watched_since = self._polled_at
+        events = self._poller.poll(wait_s * 1000)
+        self._polled_at = time.monotonic()
+        deaths = []
+        for item, _ in events:
+            handle = self._owners.get(item)
+            if handle is None:
+                continue
+            if isinstance(item, int):
+                deaths.append(handle)
+            else:
+                self._drain(handle, out)
+        for handle in deaths:
+            # It died after the previous poll returned (or that poll would have seen it).
+            self._lose(handle, "", out, window=self._polled_at - watched_since)
+
+    def _drain(self, handle: _Handle, out: list) -> None:
+        while True:
+            try:
+                frame = handle.socket.recv(zmq.NOBLOCK)
+            except (zmq.Again, zmq.ZMQError):
+                return
+            handle.last_heard = time.monotonic()
+            try:
+                message = handle.codec.decode(frame)
+            except ProtocolError as exc:
+                log.warning("worker %d sent a malformed frame of %d bytes, dropped: %s", handle.index, len(frame), exc)
+                continue
+            if isinstance(message, StepResult):
+                out.append((handle.index, message))
+            elif not isinstance(message, Heartbeat):
+                log.warning("worker %d sent an unexpected %s, dropped", handle.index, type(message).__name__)
+
+    def _reap_silent(self, out: list) -> None:
+        now = time.monotonic()
+        for handle in self._handles:
+            if handle is not None and handle.alive and now - handle.last_heard > self.config.worker_timeout:
+                silent = now - handle.last_heard
+                self._lose(handle, f"silent for {silent:.1f} s (worker_timeout)", out, kill=True)
+
+    def _lose(self, handle: _Handle, reason: str, out: list, kill: bool = False, window: float | None = None) -> None:
+        """Mark a worker dead: its queued results first, then one WorkerLost; reap its process."""
+        self._drain(handle, out)
+        handle.alive = False
+        self._unwatch(handle)
+        if handle.process is not None:
+            if kill:
+                _kill_tree(handle.process)
+            exit_text = _describe_exit(handle.process.wait())
+            reason = f"{reason}; {exit_text}" if reason else exit_text
+        handle.close()
+        silent = time.monotonic() - handle.last_heard
+        detected = f"death seen within {window:.3f} s" if window is not None else "declared dead"
+        log.error("worker %d lost: %s (%s; last message %.3f s before)%s",
+                  handle.index, reason, detected, silent, handle.log_tail(5))
+        out.append((handle.index, WorkerLost(handle.index, reason)))
+
+    def restart(self, worker: int) -> WorkerReady:
+        """Spawn (or, remote, await) a replacement with the same index and handshake with it."""
+        old = self._handles[worker]
+        if old is not None and old.alive:
+            self._lose(old, "replaced by restart", [], kill=True)
+        handle = self._launch(worker)
+        try:
+            ready = self._handshake([handle])[0]
+        except BaseException:
+            handle.alive = False
+            if handle.process is not None:
+                _kill_tree(handle.process)
+                handle.process.wait()
+            handle.close()
+            raise
+        self._watch(handle)
+        return ready
+
+    def alive_workers(self) -> list[int]:
+        """Indices of the workers that are running (for health reports)."""
+        return [h.index for h in self._handles if h is not None and h.alive]
+
+    def worker_pids(self) -> dict[int, int]:
+        """Process ids of the running local workers."""
+        return {h.index: h.process.pid for h in self._handles if h is not None and h.alive and h.process}
+
+    # ------------------------------------------------------------------ stop
+
+    def shutdown(self) -> None:
+        """Shutdown to every live worker, wait up to 3 s, kill what is left, release everything."""
+        if self._closed:
+            return
+        self._closed = True
+        live = [h for h in self._handles if h is not None and h.alive]
+        # Descendants are listed before any worker exits: an orphan can no longer be found by parent.
+        children = {proc.pid: _children(proc) for proc in self._processes if proc.poll() is None}
+        for handle in live:
+            try:
+                handle.socket.send(handle.codec.encode(Shutdown(reason="engine shutdown")), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        for proc in self._processes:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("worker pid %d ignored Shutdown for %.0f s: killing it", proc.pid, SHUTDOWN_GRACE_S)
+        for proc in self._processes:
+            _kill_tree(proc, children.get(proc.pid, []))
+            proc.wait()
+        for handle in self._all_handles:
+            self._unwatch(handle)
+            # A remote worker cannot be waited for: give its Shutdown a second to leave (term waits).
+            handle.close(linger_ms=1000 if handle.alive and handle.process is None else 0)
+            handle.alive = False
+        if self._heartbeats is not None:
+            self._heartbeats.stop()
+        if self._auth is not None:
+            self._auth.stop()
+        if self._ctx is not None:
+            self._ctx.term()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+
+
+class _HeartbeatThread(threading.Thread):
+    """Publishes a Heartbeat every `period` s; owns its PUB sockets from start() on."""
+
+    def __init__(self, sockets: list[zmq.Socket], period: float) -> None:
+        super().__init__(name="rlt-heartbeat", daemon=True)
+        self._sockets = sockets
+        self._period = period
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        codec = engine_worker_codec()
+        try:
+            while True:
+                frame = codec.encode(Heartbeat(sent_at=time.monotonic()))
+                for sock in self._sockets:
+                    try:
+                        sock.send(frame, zmq.NOBLOCK)  # PUB drops for a slow subscriber, never blocks
+                    except zmq.Again:
+                        pass
+                if self._stopped.wait(self._period):
+                    return
+        finally:
+            for sock in self._sockets:
+                sock.close(linger=0)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self.ident is None:  # never started: the sockets are still ours to close
+            for sock in self._sockets:
+                sock.close(linger=0)
+        else:
+            self.join()
+
+
+class _AllowList:
+    """ZAP credentials provider: a CURVE client is let in only with an authorized public key."""
+
+    def __init__(self, keys: set[bytes]) -> None:
+        self._keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key not in self._keys:
+            log.warning("refused a worker with an unknown CURVE key %s", key.decode(errors="replace"))
+        return key in self._keys
+
+
+def _visible_device(index: int) -> str:
+    """The GPU a local worker gets: the index-th of the engine's visible devices."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not visible:
+        return str(index)
+    ids = [d.strip() for d in visible.split(",") if d.strip()]
+    if index >= len(ids):
+        raise WorkerStartupError(f"worker {index} has no GPU: CUDA_VISIBLE_DEVICES={visible!r}")
+    return ids[index]
+
+
+def _describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+def _children(proc: subprocess.Popen) -> list[psutil.Process]:
+    try:
+        return psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _kill_tree(proc: subprocess.Popen, children: list[psutil.Process] | None = None) -> None:
+    """SIGKILL a worker and its descendants; the worker itself is left for Popen to reap."""
+    if children is None:
+        children = _children(proc) if proc.poll() is None else []
+    if proc.poll() is None:
+        proc.kill()  # our unreaped child: its pid cannot have been recycled
+    for child in children:
+        try:
+            child.kill()  # psutil checks the create time, so a recycled pid is never hit
+        except psutil.Error:
+            pass
+    psutil.wait_procs(children, timeout=2)
+
+
+def _emergency_cleanup(directory: str, processes: list[subprocess.Popen]) -> None:
+    """An executor collected or left at exit without shutdown(): kill its workers, remove its files."""
+    for proc in processes:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    shutil.rmtree(directory, ignore_errors=True)
