@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from protocol.messages import ExecutionPlan, SamplingParams, StepResult
+from protocol.messages import ExecutionPlan, HealthReport, SamplingParams, StepResult, WorkerHealth
 from rlt_engine.config import EngineConfig
 from rlt_engine.errors import EngineDeadError, InvalidRequestError
 from rlt_engine.executor import WorkerLost, make_executor
@@ -98,6 +98,22 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    @property
+    def has_work_in_flight(self) -> bool:
+        """Whether a plan is running on some worker (its result is still to be collected)."""
+        return bool(self._busy)
+
+    def health(self) -> HealthReport:
+        """Liveness and load: alive workers, waiting and running requests, KV usage per worker."""
+        scheduler = self.scheduler
+        workers = [
+            WorkerHealth(index=w, alive=scheduler.alive[w], kv_blocks_total=kv.num_blocks,
+                         kv_blocks_used=kv.num_used_blocks, running=len(scheduler.running[w]))
+            for w, kv in enumerate(scheduler.kv)
+        ]
+        running = sum(len(r) for r in scheduler.running)
+        return HealthReport(workers=workers, waiting=len(scheduler.waiting), running=running)
+
     def add_plan_listener(self, listener: PlanListener) -> None:
         """Call `listener(worker, plan)` for every plan submitted (tests and tracing)."""
         self._plan_listeners.append(listener)
@@ -141,12 +157,16 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
 
-    def step(self) -> list[GenerationOutput]:
-        """Run one step on every idle worker; returns the outputs this step changed."""
+    def step(self, timeout: float | None = None) -> list[GenerationOutput]:
+        """Run one step on every idle worker; returns the outputs this step changed.
+
+        `timeout` bounds the wait for a worker's result (None: wait for one); a serving loop
+        passes a short timeout so that it can answer clients in between.
+        """
         self._submit_idle_workers()
         changed: list[Request] = []
         if self._busy:
-            for worker, result in self.executor.collect(timeout=None):
+            for worker, result in self.executor.collect(timeout=timeout):
                 self._busy.discard(worker)
                 changed.extend(self._apply(worker, result))
         # Submit before publishing: the next plans (and any slot releases) are on their way.
