@@ -423,6 +423,7 @@ class WorkerHealth(msgspec.Struct, kw_only=True):
     kv_blocks_total: int
     kv_blocks_used: int
     running: int
+    free_slots: int = -1  # the worker's free slots as of its last result (−1: no result yet)
 
 
 class HealthReport(msgspec.Struct, tag=True, kw_only=True):

@@ -70,6 +70,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(scheduler_config, self.policy, self.kv_managers, self.rng)
         self._busy: set[int] = set()
+        self._free_slots = [-1] * len(readies)  # as reported by each worker's last result
         self._plan_listeners: list[PlanListener] = []
         self._aborted: list[Request] = []
         self._closed = False
@@ -108,7 +109,8 @@ class LLMEngine:
         scheduler = self.scheduler
         workers = [
             WorkerHealth(index=w, alive=scheduler.alive[w], kv_blocks_total=kv.num_blocks,
-                         kv_blocks_used=kv.num_used_blocks, running=len(scheduler.running[w]))
+                         kv_blocks_used=kv.num_used_blocks, running=len(scheduler.running[w]),
+                         free_slots=self._free_slots[w])
             for w, kv in enumerate(scheduler.kv)
         ]
         running = sum(len(r) for r in scheduler.running)
@@ -197,6 +199,7 @@ class LLMEngine:
             for request in failed:
                 self.scheduler.finish(request, "error")
             return failed
+        self._free_slots[worker] = result.num_free_slots
         changed = self.scheduler.update(worker, result)
         for request in changed:
             if not request.is_finished and self._stop_string_index(request) is not None:
