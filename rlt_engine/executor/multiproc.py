@@ -20,25 +20,32 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
-import psutil
 import zmq
 
-from protocol import PROTOCOL_VERSION, ProtocolError, config_hash, engine_worker_codec
-from protocol.codec import Codec
+from protocol import PROTOCOL_VERSION, ProtocolError, config_hash
 from protocol.messages import ExecutionPlan, Heartbeat, Shutdown, StepResult, WorkerConfig, WorkerHello, WorkerReady
 from rlt_engine.config import EngineConfig
 from rlt_engine.errors import WorkerStartupError
 from rlt_engine.executor.base import Executor, WorkerLost
+from rlt_engine.executor.processes import (
+    AllowList,
+    HeartbeatThread,
+    WorkerHandle,
+    descendants,
+    describe_exit,
+    emergency_cleanup,
+    kill_tree,
+    visible_device,
+)
 from rlt_worker.worker_process import heartbeat_address
 
 log = logging.getLogger("rlt.executor")
@@ -56,37 +63,6 @@ class RemoteWorker:
     address: str  # tcp://HOST:PORT; the engine's heartbeats are published on PORT + 1
     server_secret_key_file: str  # the engine's certificate, zmq.auth format (the *.key_secret file)
     authorized_key_files: tuple[str, ...]  # public certificates of the workers allowed to connect
-
-
-@dataclass(eq=False)
-class _Handle:
-    """The engine's side of one worker incarnation."""
-
-    index: int
-    socket: zmq.Socket
-    codec: Codec = field(default_factory=engine_worker_codec)  # one codec per socket
-    process: subprocess.Popen | None = None  # None: a remote worker
-    pidfd: int | None = None
-    log_path: str | None = None
-    last_heard: float = field(default_factory=time.monotonic)
-    hello_sent: bool = False
-    alive: bool = True
-
-    def log_tail(self, lines: int = 15) -> str:
-        """The end of the worker's stderr, for error messages."""
-        if self.log_path is None or not os.path.exists(self.log_path):
-            return ""
-        with open(self.log_path, "rb") as f:
-            f.seek(max(0, os.path.getsize(self.log_path) - 8192))
-            tail = f.read().decode(errors="replace").splitlines()[-lines:]
-        return "\n  " + "\n  ".join(tail) if tail else ""
-
-    def close(self, linger_ms: int = 0) -> None:
-        if not self.socket.closed:
-            self.socket.close(linger=linger_ms)
-        if self.pidfd is not None:
-            os.close(self.pidfd)
-            self.pidfd = None
 
 
 class MultiprocExecutor(Executor):
@@ -109,16 +85,16 @@ class MultiprocExecutor(Executor):
         self._startup_timeout = startup_timeout
         self._heartbeat_interval = heartbeat_interval
         self._configs = [self._worker_config(i) for i in range(config.workers)]
-        self._handles: list[_Handle | None] = [None] * config.workers
-        self._all_handles: list[_Handle] = []
+        self._handles: list[WorkerHandle | None] = [None] * config.workers
+        self._all_handles: list[WorkerHandle] = []
         self._processes: list[subprocess.Popen] = []  # everything spawned, for shutdown and the finalizer
-        self._owners: dict[object, _Handle] = {}  # poller item (socket or pidfd) → its worker
+        self._owners: dict[object, WorkerHandle] = {}  # poller item (socket or pidfd) → its worker
         self._poller = zmq.Poller()
         self._polled_at = time.monotonic()
         self._incarnation = 0
         self._dir: str | None = None
         self._ctx: zmq.Context | None = None
-        self._heartbeats: _HeartbeatThread | None = None
+        self._heartbeats: HeartbeatThread | None = None
         self._auth = None
         self._server_secret: bytes | None = None
         self._finalizer: weakref.finalize | None = None
@@ -160,13 +136,13 @@ class MultiprocExecutor(Executor):
 
     def _open(self) -> None:
         self._dir = tempfile.mkdtemp(prefix="rlt-")  # mode 0700
-        self._finalizer = weakref.finalize(self, _emergency_cleanup, self._dir, self._processes)
+        self._finalizer = weakref.finalize(self, emergency_cleanup, self._dir, self._processes)
         self._ctx = zmq.Context()
         sockets = [self._bind(zmq.PUB, f"ipc://{self._dir}/heartbeat.sock")]
         if self._remote is not None:
             self._start_authenticator(self._remote)
             sockets.append(self._bind(zmq.PUB, heartbeat_address(self._remote.address), curve=True))
-        self._heartbeats = _HeartbeatThread(sockets, self._heartbeat_interval / 2)
+        self._heartbeats = HeartbeatThread(sockets, self._heartbeat_interval / 2)
         self._heartbeats.start()
 
     def _start_authenticator(self, remote: RemoteWorker) -> None:
@@ -179,7 +155,7 @@ class MultiprocExecutor(Executor):
         allowed = {zmq.auth.load_certificate(path)[0] for path in remote.authorized_key_files}
         self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("rlt.executor.auth"))
         self._auth.start()  # owns its own ZAP socket and thread
-        self._auth.configure_curve_callback(domain="*", credentials_provider=_AllowList(allowed))
+        self._auth.configure_curve_callback(domain="*", credentials_provider=AllowList(allowed))
 
     def _bind(self, kind: int, address: str, curve: bool = False) -> zmq.Socket:
         assert self._ctx is not None
@@ -204,21 +180,21 @@ class MultiprocExecutor(Executor):
             os.chmod(address[len("ipc://") :], 0o600)
         return sock
 
-    def _launch(self, index: int) -> _Handle:
+    def _launch(self, index: int) -> WorkerHandle:
         self._incarnation += 1
         if index >= self._num_local:
             assert self._remote is not None
-            handle = _Handle(index, self._bind(zmq.PAIR, self._remote.address, curve=True))
+            handle = WorkerHandle(index, self._bind(zmq.PAIR, self._remote.address, curve=True))
         else:
             address = f"ipc://{self._dir}/w{index}.{self._incarnation}.sock"
-            handle = _Handle(index, self._bind(zmq.PAIR, address))
+            handle = WorkerHandle(index, self._bind(zmq.PAIR, address))
         self._handles[index] = handle
         self._all_handles.append(handle)
         if index < self._num_local:
             self._spawn(handle, handle.socket.getsockopt_string(zmq.LAST_ENDPOINT))
         return handle
 
-    def _spawn(self, handle: _Handle, address: str) -> None:
+    def _spawn(self, handle: WorkerHandle, address: str) -> None:
         if threading.current_thread() is not threading.main_thread():
             # PR_SET_PDEATHSIG fires when the spawning *thread* exits, not the process.
             log.warning("spawning worker %d from a non-main thread: its parent-death signal follows that thread",
@@ -229,7 +205,7 @@ class MultiprocExecutor(Executor):
         ]
         env = dict(os.environ)
         if self._configs[handle.index].device == "cuda":
-            env["CUDA_VISIBLE_DEVICES"] = _visible_device(handle.index)
+            env["CUDA_VISIBLE_DEVICES"] = visible_device(handle.index)
         handle.log_path = os.path.join(self._dir or "", f"w{handle.index}.{self._incarnation}.log")
         with open(handle.log_path, "wb") as log_file:  # the worker's stderr; tails go into errors
             handle.process = subprocess.Popen(
@@ -239,7 +215,7 @@ class MultiprocExecutor(Executor):
         self._processes.append(handle.process)
         handle.pidfd = os.pidfd_open(handle.process.pid)
 
-    def _handshake(self, handles: list[_Handle]) -> list[WorkerReady]:
+    def _handshake(self, handles: list[WorkerHandle]) -> list[WorkerReady]:
         """Hello to each worker once it is connected; WorkerReady back; a death fails at once."""
         poller = zmq.Poller()
         for handle in handles:
@@ -251,9 +227,7 @@ class MultiprocExecutor(Executor):
         while len(readies) < len(handles):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                missing = [h.index for h in handles if h.index not in readies]
-                raise WorkerStartupError(f"worker(s) {missing} not ready within {self._startup_timeout:.1f} s"
-                                         + "".join(self._handles[i].log_tail() for i in missing))
+                raise WorkerStartupError(self._late_message([h for h in handles if h.index not in readies]))
             events = dict(poller.poll(min(remaining, 1.0) * 1000))
             for handle in handles:
                 flags = events.get(handle.socket, 0)
@@ -268,12 +242,20 @@ class MultiprocExecutor(Executor):
                         poller.unregister(handle.pidfd)
                 elif handle.pidfd in events:
                     raise WorkerStartupError(
-                        f"worker {handle.index} {_describe_exit(handle.process.wait())} during startup; "
+                        f"worker {handle.index} {describe_exit(handle.process.wait())} during startup; "
                         f"its log ends:{handle.log_tail()}"
                     )
         return [readies[h.index] for h in handles]
 
-    def _read_ready(self, handle: _Handle) -> WorkerReady:
+    def _late_message(self, late: list[WorkerHandle]) -> str:
+        parts = []
+        for handle in late:
+            where = "remote worker" if handle.process is None else "worker"
+            what = "sent no WorkerReady" if handle.hello_sent else "never connected (wrong address or key?)"
+            parts.append(f"{where} {handle.index} {what} within {self._startup_timeout:.1f} s{handle.log_tail()}")
+        return "; ".join(parts)
+
+    def _read_ready(self, handle: WorkerHandle) -> WorkerReady:
         i = handle.index
         try:
             ready = handle.codec.decode(handle.socket.recv())
@@ -295,14 +277,14 @@ class MultiprocExecutor(Executor):
         log.info("worker %d ready (pid %d, %s, %d KV blocks)", i, ready.pid, ready.device, ready.num_blocks)
         return ready
 
-    def _watch(self, handle: _Handle) -> None:
+    def _watch(self, handle: WorkerHandle) -> None:
         self._poller.register(handle.socket, zmq.POLLIN)
         self._owners[handle.socket] = handle
         if handle.pidfd is not None:
             self._poller.register(handle.pidfd, zmq.POLLIN)
             self._owners[handle.pidfd] = handle
 
-    def _unwatch(self, handle: _Handle) -> None:
+    def _unwatch(self, handle: WorkerHandle) -> None:
         for item in (handle.socket, handle.pidfd):
             if item is not None and self._owners.pop(item, None) is not None:
                 self._poller.unregister(item)
@@ -353,7 +335,7 @@ class MultiprocExecutor(Executor):
             # It died after the previous poll returned (or that poll would have seen it).
             self._lose(handle, "", out, window=self._polled_at - watched_since)
 
-    def _drain(self, handle: _Handle, out: list) -> None:
+    def _drain(self, handle: WorkerHandle, out: list) -> None:
         while True:
             try:
                 frame = handle.socket.recv(zmq.NOBLOCK)
@@ -377,15 +359,17 @@ class MultiprocExecutor(Executor):
                 silent = now - handle.last_heard
                 self._lose(handle, f"silent for {silent:.1f} s (worker_timeout)", out, kill=True)
 
-    def _lose(self, handle: _Handle, reason: str, out: list, kill: bool = False, window: float | None = None) -> None:
+    def _lose(
+        self, handle: WorkerHandle, reason: str, out: list, kill: bool = False, window: float | None = None
+    ) -> None:
         """Mark a worker dead: its queued results first, then one WorkerLost; reap its process."""
         self._drain(handle, out)
         handle.alive = False
         self._unwatch(handle)
         if handle.process is not None:
             if kill:
-                _kill_tree(handle.process)
-            exit_text = _describe_exit(handle.process.wait())
+                kill_tree(handle.process)
+            exit_text = describe_exit(handle.process.wait())
             reason = f"{reason}; {exit_text}" if reason else exit_text
         handle.close()
         silent = time.monotonic() - handle.last_heard
@@ -405,7 +389,7 @@ class MultiprocExecutor(Executor):
         except BaseException:
             handle.alive = False
             if handle.process is not None:
-                _kill_tree(handle.process)
+                kill_tree(handle.process)
                 handle.process.wait()
             handle.close()
             raise
@@ -429,7 +413,7 @@ class MultiprocExecutor(Executor):
         self._closed = True
         live = [h for h in self._handles if h is not None and h.alive]
         # Descendants are listed before any worker exits: an orphan can no longer be found by parent.
-        children = {proc.pid: _children(proc) for proc in self._processes if proc.poll() is None}
+        trees = {proc.pid: descendants(proc) for proc in self._processes if proc.poll() is None}
         for handle in live:
             try:
                 handle.socket.send(handle.codec.encode(Shutdown(reason="engine shutdown")), zmq.NOBLOCK)
@@ -442,7 +426,7 @@ class MultiprocExecutor(Executor):
             except subprocess.TimeoutExpired:
                 log.warning("worker pid %d ignored Shutdown for %.0f s: killing it", proc.pid, SHUTDOWN_GRACE_S)
         for proc in self._processes:
-            _kill_tree(proc, children.get(proc.pid, []))
+            kill_tree(proc, trees.get(proc.pid, []))
             proc.wait()
         for handle in self._all_handles:
             self._unwatch(handle)
@@ -459,99 +443,3 @@ class MultiprocExecutor(Executor):
             shutil.rmtree(self._dir, ignore_errors=True)
         if self._finalizer is not None:
             self._finalizer.detach()
-
-
-class _HeartbeatThread(threading.Thread):
-    """Publishes a Heartbeat every `period` s; owns its PUB sockets from start() on."""
-
-    def __init__(self, sockets: list[zmq.Socket], period: float) -> None:
-        super().__init__(name="rlt-heartbeat", daemon=True)
-        self._sockets = sockets
-        self._period = period
-        self._stopped = threading.Event()
-
-    def run(self) -> None:
-        codec = engine_worker_codec()
-        try:
-            while True:
-                frame = codec.encode(Heartbeat(sent_at=time.monotonic()))
-                for sock in self._sockets:
-                    try:
-                        sock.send(frame, zmq.NOBLOCK)  # PUB drops for a slow subscriber, never blocks
-                    except zmq.Again:
-                        pass
-                if self._stopped.wait(self._period):
-                    return
-        finally:
-            for sock in self._sockets:
-                sock.close(linger=0)
-
-    def stop(self) -> None:
-        self._stopped.set()
-        if self.ident is None:  # never started: the sockets are still ours to close
-            for sock in self._sockets:
-                sock.close(linger=0)
-        else:
-            self.join()
-
-
-class _AllowList:
-    """ZAP credentials provider: a CURVE client is let in only with an authorized public key."""
-
-    def __init__(self, keys: set[bytes]) -> None:
-        self._keys = keys
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        if key not in self._keys:
-            log.warning("refused a worker with an unknown CURVE key %s", key.decode(errors="replace"))
-        return key in self._keys
-
-
-def _visible_device(index: int) -> str:
-    """The GPU a local worker gets: the index-th of the engine's visible devices."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if not visible:
-        return str(index)
-    ids = [d.strip() for d in visible.split(",") if d.strip()]
-    if index >= len(ids):
-        raise WorkerStartupError(f"worker {index} has no GPU: CUDA_VISIBLE_DEVICES={visible!r}")
-    return ids[index]
-
-
-def _describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"killed by signal {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exited with code {returncode}"
-
-
-def _children(proc: subprocess.Popen) -> list[psutil.Process]:
-    try:
-        return psutil.Process(proc.pid).children(recursive=True)
-    except psutil.Error:
-        return []
-
-
-def _kill_tree(proc: subprocess.Popen, children: list[psutil.Process] | None = None) -> None:
-    """SIGKILL a worker and its descendants; the worker itself is left for Popen to reap."""
-    if children is None:
-        children = _children(proc) if proc.poll() is None else []
-    if proc.poll() is None:
-        proc.kill()  # our unreaped child: its pid cannot have been recycled
-    for child in children:
-        try:
-            child.kill()  # psutil checks the create time, so a recycled pid is never hit
-        except psutil.Error:
-            pass
-    psutil.wait_procs(children, timeout=2)
-
-
-def _emergency_cleanup(directory: str, processes: list[subprocess.Popen]) -> None:
-    """An executor collected or left at exit without shutdown(): kill its workers, remove its files."""
-    for proc in processes:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    shutil.rmtree(directory, ignore_errors=True)
