@@ -1,4 +1,4 @@
-"""Command-line entry points: `python -m rlt_engine.cli generate|bench|worker …`.
+"""Command-line entry points: `python -m rlt_engine.cli serve|generate|bench|worker …`.
 
 Every console script is a thin alias of one subcommand here.
 """
@@ -8,9 +8,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
+import shutil
+import signal
 import sys
+import tempfile
 
 from rlt_engine.config import EngineConfig
+
+log = logging.getLogger("rlt.serve")
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -32,15 +38,82 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
 
 
-def generate_main(argv: list[str] | None = None) -> int:
-    """`rlt-generate --offline PROMPT`: generate in this process and print the text."""
-    from protocol.messages import SamplingParams
-    from rlt_engine.llm import LLM
+class _Stopped(Exception):
+    """A signal arrived before the engine was ready."""
 
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """`rlt-serve`: run an engine and serve clients on ipc://PATH until SIGTERM or SIGINT."""
+    parser = argparse.ArgumentParser(prog="rlt-serve", description=serve_main.__doc__)
+    add_engine_options(parser)
+    parser.add_argument("--ipc", metavar="PATH", default=None,
+                        help="unix socket path (default: rlt.sock in a new private temporary directory)")
+    parser.add_argument("--shutdown-timeout", type=float, default=10.0,
+                        help="seconds a SIGTERM/SIGINT lets running requests finish before aborting them")
+    parser.add_argument("--max-pending", type=int, default=1024,
+                        help="live requests admitted at once; beyond it requests get an `overload` error")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr, force=True,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = engine_config(args).resolved()
+    except ValueError as exc:
+        parser.error(str(exc))
+    from rlt_engine.engine import LLMEngine
+    from rlt_engine.errors import WorkerStartupError
+    from rlt_engine.frontend import AddressInUseError, Frontend, prepare_ipc_path
+
+    private_dir = tempfile.mkdtemp(prefix="rlt-serve-") if args.ipc is None else None
+    path = os.path.join(private_dir, "rlt.sock") if private_dir else os.path.abspath(args.ipc)
+    address = f"ipc://{path}"
+    try:
+        prepare_ipc_path(path)  # fail before paying for worker start-up
+        frontend = None
+
+        def on_signal(signum: int, frame: object) -> None:
+            if frontend is None:
+                raise _Stopped(signal.Signals(signum).name)
+            log.warning("%s: %s", signal.Signals(signum).name,
+                        "draining" if not frontend.draining else "aborting what is left")
+            frontend.request_stop(args.shutdown_timeout)
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        log.info("starting %d worker(s) for %s on %s (%s)", config.workers, config.model, config.device, config.dtype)
+        engine = LLMEngine(config)
+        try:
+            frontend = Frontend(engine, address, max_pending=args.max_pending)
+            print(f"rlt-serve listening on {address}", flush=True)
+            print(f"rlt-serve ready on {address} (model {config.model}, {config.workers} worker(s), "
+                  f"{config.device}, {config.dtype})", flush=True)
+            code = frontend.serve()
+        finally:
+            engine.close()
+            if frontend is not None:
+                frontend.close()
+        log.info("rlt-serve stopped (exit code %d)", code)
+        return code
+    except _Stopped as exc:
+        log.warning("%s before the engine was ready: stopped", exc)
+        return 0
+    except (AddressInUseError, ValueError, WorkerStartupError) as exc:
+        print(f"rlt-serve: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if private_dir:
+            shutil.rmtree(private_dir, ignore_errors=True)
+
+
+def generate_main(argv: list[str] | None = None) -> int:
+    """`rlt-generate --connect ipc://PATH PROMPT` (or `--offline`): stream the generated text to stdout."""
     parser = argparse.ArgumentParser(prog="rlt-generate", description=generate_main.__doc__)
     parser.add_argument("prompt")
-    parser.add_argument("--offline", action="store_true", required=True,
-                        help="run the engine in this process (the only mode until rlt-serve lands)")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--connect", metavar="ADDRESS", help="an rlt-serve address (ipc://PATH)")
+    mode.add_argument("--offline", action="store_true", help="run the engine in this process")
     parser.add_argument("--token-ids", action="store_true", help="print token ids and exit depths, not text")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -49,8 +122,14 @@ def generate_main(argv: list[str] | None = None) -> int:
     add_engine_options(parser)
     parser.set_defaults(workers=0)
     args = parser.parse_args(argv)
+    from protocol.messages import SamplingParams
+
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                             exit_threshold=args.exit_threshold)
+    if args.connect:
+        return _generate_remote(args.connect, args.prompt, params, args.token_ids)
+    from rlt_engine.llm import LLM
+
     config = engine_config(args)
     with LLM(**dataclasses.asdict(config)) as llm:
         output = llm.generate([args.prompt], params, use_tqdm=False)[0]
@@ -59,13 +138,39 @@ def generate_main(argv: list[str] | None = None) -> int:
         print("exit_depths:", output.exit_depths)
     else:
         print(output.text)
-    print(f"[{len(output.token_ids)} tokens, mean loops/token "
-          f"{sum(output.exit_depths) / len(output.exit_depths):.2f}, finish: {output.finish_reason}]",
-          file=sys.stderr)
+    _summary(output.token_ids, output.exit_depths, output.finish_reason)
     return 0
 
 
-COMMANDS = {"generate": generate_main}
+def _generate_remote(address: str, prompt: str, params: object, token_ids: bool) -> int:
+    from rlt_engine.client import Client, EngineDeadError, RequestError
+
+    with Client(address) as client:
+        try:
+            with client.stream(prompt, params) as stream:  # type: ignore[arg-type]
+                for delta in stream:
+                    if not token_ids:
+                        sys.stdout.write(delta.text)
+                        sys.stdout.flush()
+        except (EngineDeadError, RequestError) as exc:
+            print(f"\nrlt-generate: {exc}", file=sys.stderr)
+            return 1
+    output = stream.output
+    if token_ids:
+        print("token_ids:", output.token_ids)
+        print("exit_depths:", output.exit_depths)
+    else:
+        print()
+    _summary(output.token_ids, output.exit_depths, output.finish_reason)
+    return 0 if output.finish_reason != "error" else 1
+
+
+def _summary(token_ids: list[int], exit_depths: list[int], finish_reason: str | None) -> None:
+    mean = sum(exit_depths) / max(len(exit_depths), 1)
+    print(f"[{len(token_ids)} tokens, mean loops/token {mean:.2f}, finish: {finish_reason}]", file=sys.stderr)
+
+
+COMMANDS = {"serve": serve_main, "generate": generate_main}
 
 
 def main(argv: list[str] | None = None) -> int:
