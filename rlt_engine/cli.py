@@ -170,7 +170,24 @@ def _summary(token_ids: list[int], exit_depths: list[int], finish_reason: str | 
     print(f"[{len(token_ids)} tokens, mean loops/token {mean:.2f}, finish: {finish_reason}]", file=sys.stderr)
 
 
-COMMANDS = {"serve": serve_main, "generate": generate_main}
+# `rlt-bench NAME …`: each benchmark is a module with main(argv) -> exit status.
+BENCHMARKS = {"throughput": "rlt_engine.bench.throughput"}
+
+
+def bench_main(argv: list[str] | None = None) -> int:
+    """`rlt-bench throughput …`: run one benchmark (`rlt-bench NAME --help` for its options)."""
+    import importlib
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in BENCHMARKS:
+        print(f"usage: rlt-bench {{{'|'.join(BENCHMARKS)}}} …", file=sys.stderr)
+        return 2
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return importlib.import_module(BENCHMARKS[argv[0]]).main(argv[1:])
+
+
+COMMANDS = {"serve": serve_main, "generate": generate_main, "bench": bench_main}
 
 
 def main(argv: list[str] | None = None) -> int:

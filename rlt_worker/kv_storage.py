@@ -47,10 +47,12 @@ class KVStorage:
         self.pool = torch.zeros(
             layers, 2, num_blocks, block_size, info.num_kv_heads, info.head_dim, dtype=dtype, device=device
         )
+        # Views made once: every attention call of every layer asks for its pair.
+        self._caches = [(self.pool[i, 0], self.pool[i, 1]) for i in range(layers)]
 
     def caches(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k_cache, v_cache) of one layer, each [num_blocks, block_size, Hkv, Dh]."""
-        return self.pool[layer_index, 0], self.pool[layer_index, 1]
+        """(k_cache, v_cache) of one layer, each [num_blocks, block_size, Hkv, Dh] (views of the pool)."""
+        return self._caches[layer_index]
 
     def read_blocks(self, block_ids: torch.Tensor) -> torch.Tensor:
         """A copy of the listed blocks, [layers, 2, len(block_ids), block_size, Hkv, Dh]."""

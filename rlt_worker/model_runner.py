@@ -10,6 +10,11 @@ Per-slot device state (one row per slot):
     tokens     the token the slot's last CODA sampled (the next PRELUDE's input)
     prev_logp  Huginn KL: the previous loop's next-token log-distribution
     block_tables [planes, max_blocks]: the mirror of the engine's allocation, grown by deltas
+
+No host readback sits between a plan's stages: the sampled token stays in `tokens`, the host
+keeps its own copy of the block tables (finalize addresses, table widths), and each stage's
+row columns go to the device in one upload (pinned and asynchronous on CUDA). The only
+device→host copies are the result's, once per plan, when the StepResult is built.
 """
 
 from __future__ import annotations
@@ -85,9 +90,15 @@ class ModelRunner:
             else None
         )
         self.temperature = torch.ones(slots, dtype=torch.float64, device=self.device)
+        # Host knowledge of greedy rows (temperature <= 0), so sampling needs no readback to
+        # choose its path; valid only for the slot incarnation whose admit recorded it.
+        self._host_greedy = np.zeros(slots, dtype=bool)
+        self._greedy_owner: list[tuple[int, int] | None] = [None] * slots
         self.top_k = torch.full((slots,), -1, dtype=torch.long, device=self.device)
         self.top_p = torch.ones(slots, dtype=torch.float64, device=self.device)
         self._num_blocks = [0] * slots
+        self._max_blocks = max_blocks
+        self._pin = self.device.type == "cuda"
         self._slot_of: dict[tuple[int, int], int] = {}
         self._free_slots = list(range(slots - 1, -1, -1))
 
@@ -130,6 +141,8 @@ class ModelRunner:
         self._slot_of[identity] = slot
         self._num_blocks[slot] = 0
         self.temperature[slot] = admit.sampling.temperature
+        self._host_greedy[slot] = admit.sampling.temperature <= 0
+        self._greedy_owner[slot] = (admit.key, admit.generation)
         self.top_k[slot] = admit.sampling.top_k
         self.top_p[slot] = admit.sampling.top_p
 
@@ -152,38 +165,72 @@ class ModelRunner:
         slots = self._slots(appends.col("keys"), appends.col("generations"))
         block_ids = appends.col("block_ids")
         planes, offset = self.config.num_planes, 0
+        index_slots, index_planes, index_cols = [], [], []
         for slot, count in zip(slots, appends.col("num_new").tolist(), strict=True):
             ids = block_ids[offset : offset + planes * count].reshape(planes, count)
             offset += planes * count
             start = self._num_blocks[slot]
             self._host_tables[slot, :, start : start + count] = ids
-            self.block_tables[slot, :, start : start + count] = torch.from_numpy(ids.astype(np.int32))
             self._num_blocks[slot] = start + count
+            # ids.ravel() is plane-major: plane p holds columns start … start + count − 1.
+            index_slots.append(np.full(planes * count, slot))
+            index_planes.append(np.repeat(np.arange(planes), count))
+            index_cols.append(np.tile(np.arange(start, start + count), planes))
+        if not offset:
+            return
+        # One upload and one scatter for the whole plan: (slot, plane, column) → block id.
+        s_t, p_t, c_t, v_t = self._upload(
+            np.concatenate(index_slots), np.concatenate(index_planes), np.concatenate(index_cols), block_ids[:offset]
+        )
+        self.block_tables[s_t, p_t, c_t] = v_t.to(torch.int32)
 
     # ------------------------------------------------------------------ contexts
 
     def _tensor(self, values: np.ndarray | list[int]) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(values, dtype=np.int64), device=self.device)
+        return self._upload(values)[0]
+
+    def _upload(self, *columns: np.ndarray | list[int]) -> list[torch.Tensor]:
+        """int64 device copies of host columns, in one host→device transfer.
+
+        On CUDA the columns go through one pinned buffer with a non-blocking copy, so the host
+        never waits for the GPU to drain the work already queued (a pageable copy would).
+        """
+        arrays = [np.asarray(c, dtype=np.int64).reshape(-1) for c in columns]
+        host = torch.from_numpy(np.concatenate(arrays))  # a fresh, writable buffer
+        if self._pin:
+            device = host.pin_memory().to(self.device, non_blocking=True)
+        else:
+            device = host.to(self.device)
+        return list(torch.split(device, [len(a) for a in arrays])) if len(arrays) > 1 else [device]
 
     def _loop_plane(self, depths: torch.Tensor) -> torch.Tensor:
         return depths - 1 if self.config.kv_layout == LAST_EXITED else torch.zeros_like(depths)
 
-    def _context(self, slots: torch.Tensor, positions: torch.Tensor, depths: torch.Tensor | None) -> PagedContext:
-        """Views of each row's depth plane (when depths are given) and of the outer plane."""
+    def _width(self, positions: np.ndarray) -> int:
+        """Block-table columns the batch's longest row needs (host-side: no device readback)."""
+        return min(self._max_blocks, int(positions.max()) // self.storage.block_size + 1)
+
+    def _context(
+        self, slots: torch.Tensor, positions: torch.Tensor, depths: torch.Tensor | None, width: int
+    ) -> PagedContext:
+        """Views of each row's depth plane (when depths are given) and of the outer plane.
+
+        Tables are trimmed to `width` columns (the batch's longest row), which the attention
+        backends read as the batch's longest context (the Triton split heuristic among them).
+        """
         block_size = self.storage.block_size
+        tables = self.block_tables[:, :, :width]
         loop_view = outer_view = None
         if depths is not None:
-            tables = self.block_tables[slots, self._loop_plane(depths)]
-            loop_view = PagedPlaneView(tables, positions, block_size)
+            loop_view = PagedPlaneView(tables[slots, self._loop_plane(depths)], positions, block_size)
         if self.model.info.num_outer_kv_layers:
-            tables = self.block_tables[slots, self.config.num_planes - 1]
-            outer_view = PagedPlaneView(tables, positions, block_size)
+            outer_view = PagedPlaneView(tables[:, self.config.num_planes - 1][slots], positions, block_size)
         return PagedContext(self.storage, self._backend, positions, loop_view, outer_view)
 
     def _initial_state(self, embedded: torch.Tensor, seeds: np.ndarray, positions: torch.Tensor) -> torch.Tensor:
         noise = None
         if self.model.info.family == "huginn" and self.config.state_init == "random":
-            seed_tensor = torch.from_numpy(seeds.view(np.int64).copy()).to(self.device)
+            (seed_tensor,) = self._upload(seeds.view(np.int64))
             noise = truncated_normal(seed_tensor, positions, self.model.info.hidden_size)
         return self.model.init_state(embedded, noise)
 
@@ -198,27 +245,31 @@ class ModelRunner:
         if self.config.kv_layout != LAST_EXITED and query_lens.max() > 1:
             raise SlotError("SHARED prefill runs one position at a time (query_lens must be 1)")
         row_slots = self._slots(batch.col("keys"), batch.col("generations"))
-        slots = self._tensor(np.repeat(row_slots, query_lens))
         starts = batch.col("start_positions")
-        positions = self._tensor(np.concatenate([np.arange(s, s + n) for s, n in zip(starts, query_lens, strict=True)]))
-        tokens = self._tensor(batch.col("token_ids"))
-        embedded = self.model.embed(tokens, positions, self._context(slots, positions, None))
+        host_positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, query_lens, strict=True)])
+        slots, positions, tokens, last, rows = self._upload(
+            np.repeat(row_slots, query_lens), host_positions, batch.col("token_ids"),
+            np.cumsum(query_lens) - 1, row_slots,
+        )
+        width = self._width(host_positions)
+        embedded = self.model.embed(tokens, positions, self._context(slots, positions, None, width))
         state = self._initial_state(embedded, np.repeat(batch.col("seeds"), query_lens), positions)
         for depth in range(1, self.config.max_loops + 1):
             depths = torch.full_like(positions, depth)
-            state = self.model.loop(state, embedded, positions, self._context(slots, positions, depths))
+            state = self.model.loop(state, embedded, positions, self._context(slots, positions, depths, width))
         if self.model.info.num_outer_kv_layers:  # Huginn: coda K/V of every prompt position
-            self.model.coda(state, positions, self._context(slots, positions, None))
-        last = self._tensor(np.cumsum(query_lens) - 1)
-        self.state[self._tensor(row_slots)] = state[last]
-        self.embedded[self._tensor(row_slots)] = embedded[last]
+            self.model.coda(state, positions, self._context(slots, positions, None, width))
+        self.state[rows] = state[last]
+        self.embedded[rows] = embedded[last]
 
     def _prelude(self, batch: PreludeBatch) -> None:
-        slots = self._tensor(self._slots(batch.col("keys"), batch.col("generations")))
-        positions = self._tensor(batch.col("positions"))
-        given = self._tensor(batch.col("token_ids"))
+        host_positions = batch.col("positions")
+        slots, positions, given = self._upload(
+            self._slots(batch.col("keys"), batch.col("generations")), host_positions, batch.col("token_ids")
+        )
         tokens = torch.where(given >= 0, given, self.tokens[slots])
-        embedded = self.model.embed(tokens, positions, self._context(slots, positions, None))
+        context = self._context(slots, positions, None, self._width(host_positions))
+        embedded = self.model.embed(tokens, positions, context)
         self.state[slots] = self._initial_state(embedded, batch.col("seeds"), positions)
         self.embedded[slots] = embedded
         self._reset_kl(slots)
@@ -230,20 +281,38 @@ class ModelRunner:
         num_loops = batch.col("num_loops")
         if batch.signal != Signal.NONE and num_loops.max() > 1:
             raise SlotError("rows that return a signal run one loop per plan")
-        signals = torch.full((len(row_slots),), math.nan, dtype=torch.float64, device=self.device)
+        signals = None
+        if batch.signal != Signal.NONE:
+            signals = torch.full((len(row_slots),), math.nan, dtype=torch.float64, device=self.device)
+        all_slots, all_pos, all_first = self._upload(row_slots, positions, first)
+        width = self._width(positions)
         for j in range(int(num_loops.max())):
             active = np.flatnonzero(num_loops > j)
-            slots, pos = self._tensor(row_slots[active]), self._tensor(positions[active])
-            depths = self._tensor(first[active] + j)
+            if len(active) == len(row_slots):
+                rows = None
+                slots, pos, depths = all_slots, all_pos, all_first + j
+            else:  # rows with fewer loops left the batch; the trimmed width still covers the rest
+                (rows,) = self._upload(active)
+                slots, pos, depths = all_slots[rows], all_pos[rows], all_first[rows] + j
             previous = self.state[slots]
-            state = self.model.loop(previous, self.embedded[slots], pos, self._context(slots, pos, depths))
-            if batch.signal != Signal.NONE:
-                signals[self._tensor(active)] = self._signal(batch.signal, slots, pos, previous, state)
+            state = self.model.loop(previous, self.embedded[slots], pos, self._context(slots, pos, depths, width))
+            if signals is not None:
+                value = self._signal(batch.signal, slots, pos, previous, state, width)
+                if rows is None:
+                    signals = value
+                else:
+                    signals[rows] = value
             self.state[slots] = state
         results.add(Stage.RECURRENT, keys, generations, depths=first + num_loops - 1, signals=signals)
 
     def _signal(
-        self, kind: Signal, slots: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor, state: torch.Tensor
+        self,
+        kind: Signal,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        previous: torch.Tensor,
+        state: torch.Tensor,
+        width: int,
     ) -> torch.Tensor:
         if kind == Signal.GATE:
             return self.model.exit_gate(state).double()
@@ -251,7 +320,7 @@ class ModelRunner:
             change = (state - previous).double().norm(dim=-1)
             return change / state.double().norm(dim=-1)
         # KL(p_{d-1} ‖ p_d); this coda's K/V is overwritten by the position's final CODA.
-        hidden = self.model.coda(state, positions, self._context(slots, positions, None))
+        hidden = self.model.coda(state, positions, self._context(slots, positions, None, width))
         logp = torch.log_softmax(self.model.lm_head(hidden).to(self.prev_logp.dtype), dim=-1)
         prev = self.prev_logp[slots]
         self.prev_logp[slots] = logp
@@ -272,25 +341,39 @@ class ModelRunner:
                 src.append(table[exit_depth - 1] * block_size + offset)
                 dst.append(table[plane] * block_size + offset)
         if src:
-            self._backend.copy_kv_slots(self.storage.pool, self._tensor(src), self._tensor(dst))
+            self._backend.copy_kv_slots(self.storage.pool, *self._upload(src, dst))
 
     def _coda(self, batch: CodaBatch, results: ResultBuilder) -> None:
         keys, generations = batch.col("keys"), batch.col("generations")
-        slots = self._tensor(self._slots(keys, generations))
-        positions = self._tensor(batch.col("positions"))
-        hidden = self.model.coda(self.state[slots], positions, self._context(slots, positions, None))
+        row_slots = np.asarray(self._slots(keys, generations), dtype=np.int64)
+        host_positions = batch.col("positions")
         indices = batch.col("sample_indices")
         sampled = np.flatnonzero(indices >= 0)  # the others ran only for their coda K/V (replay)
+        seeds = batch.col("seeds")[sampled].view(np.int64)
+        slots, positions, rows, seeds, sample_indices = self._upload(
+            row_slots, host_positions, sampled, seeds, indices[sampled]
+        )
+        context = self._context(slots, positions, None, self._width(host_positions))
+        hidden = self.model.coda(self.state[slots], positions, context)
         if not len(sampled):
             return
-        rows = self._tensor(sampled)
+        if len(sampled) < len(row_slots):
+            slots, hidden = slots[rows], hidden[rows]
         params = SamplingTensors(
-            temperature=self.temperature[slots[rows]],
-            top_k=self.top_k[slots[rows]],
-            top_p=self.top_p[slots[rows]],
-            seeds=torch.from_numpy(batch.col("seeds")[sampled].view(np.int64).copy()).to(self.device),
-            indices=self._tensor(indices[sampled]),
+            temperature=self.temperature[slots],
+            top_k=self.top_k[slots],
+            top_p=self.top_p[slots],
+            seeds=seeds,
+            indices=sample_indices,
         )
-        tokens, logprobs = sample(self.model.lm_head(hidden[rows]), params)
-        self.tokens[slots[rows]] = tokens
+        # False (take the general path, which is exact for greedy rows too) unless every row's
+        # own admit recorded a greedy temperature.
+        all_greedy = all(
+            self._greedy_owner[slot] == (key, generation) and self._host_greedy[slot]
+            for slot, key, generation in zip(
+                row_slots[sampled].tolist(), keys[sampled].tolist(), generations[sampled].tolist(), strict=True
+            )
+        )
+        tokens, logprobs = sample(self.model.lm_head(hidden), params, all_greedy=all_greedy)
+        self.tokens[slots] = tokens
         results.add(Stage.CODA, keys[sampled], generations[sampled], tokens=tokens, logprobs=logprobs)

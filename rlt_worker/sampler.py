@@ -72,14 +72,20 @@ def _allowed_mask(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     return torch.zeros_like(keep).scatter(1, order, keep)
 
 
-def sample(logits: Tensor, params: SamplingTensors) -> tuple[Tensor, Tensor]:
-    """Sample one token per row of logits [N, V]; returns (tokens int64 [N], logprobs float64 [N])."""
+def sample(logits: Tensor, params: SamplingTensors, all_greedy: bool | None = None) -> tuple[Tensor, Tensor]:
+    """Sample one token per row of logits [N, V]; returns (tokens int64 [N], logprobs float64 [N]).
+
+    `all_greedy`: whether every row's temperature is <= 0, when the caller knows it on the host
+    (the runner does); None reads it from `params.temperature`, a device→host sync on CUDA.
+    """
     x = logits.double()
     dev = x.device
     temperature = params.temperature.to(dev, torch.float64)
     greedy = temperature <= 0
     tokens = torch.argmax(x, dim=-1)
-    if not bool(greedy.all()):
+    if all_greedy is None:
+        all_greedy = bool(greedy.all())
+    if not all_greedy:
         scaled = x / torch.where(greedy, 1.0, temperature)[:, None]
         allowed = _allowed_mask(scaled, params.top_k.to(dev), params.top_p.to(dev, torch.float64))
         # Gumbel-max: argmax(scaled + g), g = -log(-log u), samples softmax(scaled) over allowed.

@@ -16,6 +16,7 @@ from .base import LoopedModel, ModelInfo
 from .config import HuginnConfig, ModelConfig, OuroConfig, load_config
 from .huginn import HuginnModel
 from .ouro import OuroModel
+from .synthetic import SYNTHETIC_MODELS, synthetic_model
 from .toy import TOY_MODELS, toy_checkpoint
 
 SUPPORTED_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -107,13 +108,17 @@ def _read_safetensors(directory: str) -> dict[str, torch.Tensor]:
 
 
 def load_model(model: str, dtype: torch.dtype, device: str | torch.device) -> LoopedModel:
-    """Load "toy-ouro", "toy-huginn" or an HF-layout directory (config.json + *.safetensors)."""
+    """Load "toy-ouro", "toy-huginn", a synthetic model ("synthetic-ouro-1.4b": real shapes, random
+    weights made on `device`) or an HF-layout directory (config.json + *.safetensors)."""
     _check_dtype(dtype)
     if model in TOY_MODELS:
         cfg_dict, state = toy_checkpoint(model)
         return model_from_state_dict(load_config(cfg_dict), state, dtype, device)
+    if model in SYNTHETIC_MODELS:
+        return synthetic_model(model, dtype, device)
     if not os.path.isdir(model):
-        raise ValueError(f"model {model!r} is neither a built-in ({', '.join(TOY_MODELS)}) nor a directory")
+        builtins = ", ".join([*TOY_MODELS, *SYNTHETIC_MODELS])
+        raise ValueError(f"model {model!r} is neither a built-in ({builtins}) nor a directory")
     config_path = os.path.join(model, "config.json")
     if not os.path.isfile(config_path):
         raise CheckpointError(f"{model}: no config.json")

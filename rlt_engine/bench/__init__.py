@@ -1,0 +1,1 @@
+"""Benchmarks behind `rlt-bench NAME …` (python -m rlt_engine.cli bench NAME …)."""

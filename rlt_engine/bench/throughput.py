@@ -1,0 +1,654 @@
+"""rlt-bench throughput: closed-loop generation throughput and latency of one engine configuration grid.
+
+For every (workers, exit mode) an engine is built once; for every concurrency c a closed loop keeps
+c requests in flight until 2·c (`--requests-factor`) have been submitted, each with a
+`--prompt-len`-token random prompt and exactly `--output-len` output tokens (`ignore_eos`, greedy).
+
+    exit fixed   every generated position runs D loops
+    exit trace   a fixed seeded mix of depths 1 … D after the first token, mean `--trace-mean`
+
+Reported per configuration (median over `--repeats` timed runs after an untimed warm-up):
+output tokens/s, TTFT p50, ITL p50/p99, mean loops per output token, peak GPU memory, and at
+concurrency 1 the ratio of the time per token (ITL p50) to the HBM floor: the bytes one token
+must read (loop weights × loops, K/V of the context × loops, LM head) ÷ `--hbm-tbps`.
+
+Each configuration's timed runs stop at `--max-seconds` (a run cut short is aborted and reported
+as partial; medians use the complete runs when there is one), and the whole grid shares
+`--total-seconds`: each configuration gets a share of what is left, weighted 1 + log2(c)/7.
+
+    rlt-bench throughput                                 # Ouro-1.4B shape, bf16 on CUDA, the full grid
+    rlt-bench throughput --model toy-ouro --device cpu --prompt-len 16 --output-len 8 --concurrency 1,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocol.messages import SamplingParams
+
+HBM_TBPS = 4.3  # H200 device-to-device copy rate measured here (KINDS.md), bytes read + written
+
+# ---------------------------------------------------------------------------- workload
+
+
+def _csv_ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def depth_weights(depth: int, mean: float) -> list[float]:
+    """Probabilities of depths 1 … D with the given mean: p_k ∝ exp(β·k), β found by bisection (β = 0: uniform)."""
+    if not 1 <= mean <= depth:
+        raise ValueError(f"trace mean {mean} is outside 1 … {depth}")
+
+    def weights(beta: float) -> list[float]:
+        raw = [math.exp(beta * (k - depth)) for k in range(1, depth + 1)]
+        total = sum(raw)
+        return [w / total for w in raw]
+
+    def mean_of(beta: float) -> float:
+        return sum(k * w for k, w in zip(range(1, depth + 1), weights(beta), strict=True))
+
+    lo, hi = -50.0, 50.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mean_of(mid) < mean else (lo, mid)
+    return weights((lo + hi) / 2)
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt: list[int]
+    params: SamplingParams
+
+
+def make_jobs(
+    n: int, prompt_len: int, output_len: int, vocab: int, exit_mode: str, depth: int, trace_mean: float, seed: int
+) -> list[Job]:
+    """n requests; the same seed gives the same prompts and trace depths in every run."""
+    rng = random.Random(seed)
+    weights = depth_weights(depth, trace_mean) if exit_mode == "trace" else None
+    jobs = []
+    for _ in range(n):
+        prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+        options: dict[str, Any] = dict(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+        if weights is not None:
+            options["exit_depths"] = [depth] + rng.choices(range(1, depth + 1), weights, k=output_len - 1)
+        jobs.append(Job(prompt, SamplingParams(**options)))
+    return jobs
+
+
+# ---------------------------------------------------------------------------- model bytes (HBM floor)
+
+
+def model_config_dict(model: str) -> dict[str, Any] | None:
+    """The config.json dict of a built-in or directory model (None if unknown)."""
+    from rlt_worker.models.synthetic import SYNTHETIC_MODELS
+    from rlt_worker.models.toy import TOY_MODELS
+
+    for registry in (SYNTHETIC_MODELS, TOY_MODELS):
+        if model in registry:
+            return dict(registry[model])
+    path = os.path.join(model, "config.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    return None
+
+
+@dataclass(frozen=True)
+class TokenBytes:
+    """Bytes one generated token must read from HBM, split by what reads them."""
+
+    loop_weights: int  # one pass of the shared block
+    head: int  # per token, outside the loop (LM head; Huginn: prelude and coda blocks too)
+    kv_per_position_loop: int  # K/V of one context position, all loop layers of one plane
+
+    def per_token(self, loops: float, context: float) -> float:
+        return loops * (self.loop_weights + context * self.kv_per_position_loop) + self.head
+
+
+def token_bytes(cfg: dict[str, Any], itemsize: int) -> TokenBytes:
+    """Weights and K/V bytes of an Ouro or Huginn config (norm weights included; no activations)."""
+    if cfg.get("model_type") == "huginn_raven":
+        h, inter = cfg["n_embd"], cfg["intermediate_size"]
+        block = 3 * h * h + h * h + 2 * inter * h + inter * h + 4 * h
+        loop = cfg["n_layers_in_recurrent_block"] * block + 2 * h * h
+        outside = (cfg["n_layers_in_prelude"] + cfg["n_layers_in_coda"]) * block + cfg["padded_vocab_size"] * h
+        kv_heads = cfg.get("num_key_value_heads", cfg["n_heads"])
+        kv = cfg["n_layers_in_recurrent_block"] * 2 * kv_heads * (h // cfg["n_heads"])
+        return TokenBytes(loop * itemsize, outside * itemsize, kv * itemsize)
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or h // heads
+    attn = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2
+    layer = attn + 3 * h * inter + 4 * h
+    loop = layers * layer + h
+    return TokenBytes(loop * itemsize, cfg["vocab_size"] * h * itemsize, layers * 2 * kv_heads * head_dim * itemsize)
+
+
+# ---------------------------------------------------------------------------- one timed run
+
+
+@dataclass
+class RunResult:
+    requests: int = 0  # submitted
+    finished: int = 0
+    output_tokens: int = 0
+    loops: int = 0  # sum of exit depths of every delivered token
+    generated_loops: int = 0  # the same without output 0 (always D)
+    generated_tokens: int = 0
+    elapsed_s: float = 0.0
+    partial: bool = False
+    ttft_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests, "finished": self.finished, "output_tokens": self.output_tokens,
+            "elapsed_s": self.elapsed_s, "partial": self.partial, "tokens_per_s": self.tokens_per_s,
+            "ttft_p50_s": _percentile(self.ttft_s, 50), "ttft_p99_s": _percentile(self.ttft_s, 99),
+            "itl_p50_s": _percentile(self.itl_s, 50), "itl_p99_s": _percentile(self.itl_s, 99),
+            "loops_per_token": self.loops / self.output_tokens if self.output_tokens else None,
+            "loops_per_generated_token": (self.generated_loops / self.generated_tokens
+                                          if self.generated_tokens else None),
+        }
+
+
+def _percentile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(rank), math.ceil(rank)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+
+
+@dataclass
+class _Live:
+    added: float
+    last: float | None = None
+    tokens: int = 0
+    loops: int = 0
+
+
+_run_ids = iter(range(1, 1 << 62))
+
+
+def closed_loop(engine: Any, jobs: Sequence[Job], concurrency: int, deadline: float) -> RunResult:
+    """Keep `concurrency` requests in flight until every job was submitted and finished (or the deadline)."""
+    run = next(_run_ids)
+    result = RunResult()
+    live: dict[str, _Live] = {}
+    next_job = 0
+    start = time.perf_counter()
+    last_token = start
+    while live or next_job < len(jobs):
+        while len(live) < concurrency and next_job < len(jobs):
+            request_id = f"bench-{run}-{next_job}"
+            job = jobs[next_job]
+            live[request_id] = _Live(added=time.perf_counter())
+            engine.add_request(request_id, job.prompt, job.params)
+            next_job += 1
+            result.requests += 1
+        if time.perf_counter() > deadline:
+            result.partial = True
+            for request_id in list(live):
+                engine.abort_request(request_id)
+            break
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            state = live.get(out.request_id)
+            if state is None:
+                continue
+            n = len(out.token_ids)
+            if n > state.tokens:
+                if state.tokens == 0:
+                    result.ttft_s.append(now - state.added)
+                    first_new = 1
+                else:
+                    first_new = 0
+                    result.itl_s.extend([(now - state.last) / (n - state.tokens)] * (n - state.tokens))
+                depths = out.exit_depths[state.tokens : n]
+                result.output_tokens += n - state.tokens
+                result.loops += sum(depths)
+                result.generated_tokens += len(depths) - first_new
+                result.generated_loops += sum(depths[first_new:])
+                state.tokens, state.last, last_token = n, now, now
+            if out.finished:
+                if out.finish_reason not in ("length", "abort"):
+                    raise RuntimeError(f"request {out.request_id} finished with {out.finish_reason}")
+                result.finished += out.finish_reason == "length"
+                del live[out.request_id]
+    result.elapsed_s = (time.perf_counter() if result.partial else last_token) - start
+    _drain(engine)
+    return result
+
+
+def _drain(engine: Any) -> None:
+    """Let aborted requests' slots and plans settle so the next run starts from an idle engine."""
+    for _ in range(1000):
+        if not engine.has_unfinished_requests() and not engine.has_work_in_flight:
+            break
+        engine.step()
+    engine.step()  # pending slot releases go out with this (possibly empty) step
+
+
+# ---------------------------------------------------------------------------- the grid
+
+
+@dataclass
+class ConfigResult:
+    workers: int
+    exit_mode: str
+    concurrency: int
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    median: dict[str, Any] = field(default_factory=dict)
+    memory: dict[str, Any] = field(default_factory=dict)
+    floor: dict[str, Any] | None = None
+    error: str | None = None
+
+
+def _median(runs: list[dict[str, Any]], key: str) -> float | None:
+    """Median over the complete runs (over the partial ones only when no run completed)."""
+    complete = [r for r in runs if not r["partial"]] or runs
+    values = [r[key] for r in complete if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def _cuda_memory(device: str, workers: int) -> dict[str, Any]:
+    """Peak memory of this process (workers=0: the worker is here) and device memory in use now."""
+    if not device.startswith("cuda"):
+        return {}
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    info: dict[str, Any] = {"device_used_gib": (total - free) / 2**30, "device_total_gib": total / 2**30}
+    if workers == 0:
+        info["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        info["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    return info
+
+
+class Grid:
+    """Runs the (workers × exit × concurrency) grid within its time budgets and collects results."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.results: list[ConfigResult] = []
+        self.meta: dict[str, Any] = {}
+        self.deadline = time.perf_counter() + args.total_seconds
+
+    @staticmethod
+    def weight(concurrency: int) -> float:
+        """A configuration's share of the time left grows slowly with its concurrency (bigger runs)."""
+        return 1.0 + math.log2(concurrency) / 7
+
+    def budget(self, done: int) -> float:
+        """Seconds for the next configuration's timed runs: its weighted share of what is left, ≤ max-seconds."""
+        a = self.args
+        grid = [c for _ in a.workers for _ in a.exit for c in a.concurrency]
+        left = max(0.0, self.deadline - time.perf_counter())
+        share = self.weight(grid[done]) / sum(self.weight(c) for c in grid[done:])
+        return min(a.max_seconds, left * share)
+
+    def run(self) -> None:
+        from rlt_engine.llm import LLM
+
+        a = self.args
+        done = 0
+        for workers in a.workers:
+            for exit_mode in a.exit:
+                options = dict(
+                    workers=workers, device=a.device, dtype=a.dtype, exit_mode=exit_mode,
+                    max_num_seqs=max(a.concurrency),
+                    max_num_batched_tokens=a.max_num_batched_tokens or max(2048, max(a.concurrency)),
+                    prefill_chunk_size=a.prefill_chunk_size, num_blocks=a.num_blocks,
+                    attention_backend=a.attention_backend, gpu_memory_utilization=a.gpu_memory_utilization,
+                )
+                log(f"== workers={workers} exit={exit_mode}: starting the engine")
+                t0 = time.perf_counter()
+                try:
+                    llm = LLM(a.model, **options)
+                except Exception as exc:  # e.g. workers=1 not available: report and go on
+                    log(f"   engine failed to start: {type(exc).__name__}: {exc}")
+                    for c in a.concurrency:
+                        self.results.append(ConfigResult(workers, exit_mode, c, error=f"{type(exc).__name__}: {exc}"))
+                        done += 1
+                    self.save()
+                    continue
+                try:
+                    done = self._engine_grid(llm, workers, exit_mode, done, time.perf_counter() - t0)
+                finally:
+                    llm.close()
+                    del llm
+                    _free_device(a.device)
+
+    def _engine_grid(self, llm: Any, workers: int, exit_mode: str, done: int, startup_s: float) -> int:
+        a = self.args
+        engine = llm.engine
+        depth, info = engine.max_depth, engine.model_info
+        kv = engine.kv_managers[0]
+        log(f"   ready in {startup_s:.1f} s: {kv.num_blocks} KV blocks of {a.block_size} positions × {kv.num_planes} "
+            f"planes, D = {depth}")
+        self.meta.setdefault("engine", {})[f"workers={workers},exit={exit_mode}"] = {
+            "startup_s": startup_s, "num_blocks": kv.num_blocks, "num_planes": kv.num_planes, "depth": depth,
+        }
+        vocab = info.vocab_size
+        if a.warmup:
+            t0 = time.perf_counter()
+            # One request at full length (every split count the c = 1 decode uses), then many short
+            # ones (the single-split kernels of wide decode batches): Triton compiles outside the timing.
+            warm = make_jobs(1, a.prompt_len, a.output_len, vocab, exit_mode, depth, a.trace_mean, a.seed + 999)
+            closed_loop(engine, warm, 1, time.perf_counter() + 120)
+            short = make_jobs(24, min(a.prompt_len, 40), min(a.output_len, 8), vocab, exit_mode, depth,
+                              a.trace_mean, a.seed + 998)
+            closed_loop(engine, short, 24, time.perf_counter() + 120)
+            log(f"   warm-up {time.perf_counter() - t0:.1f} s")
+        for c in a.concurrency:
+            config = ConfigResult(workers, exit_mode, c)
+            budget = self.budget(done)
+            deadline = time.perf_counter() + budget
+            _reset_peak(a.device, workers)
+            try:
+                for repeat in range(a.repeats):
+                    # Start another run only if one as long as the last still fits the budget.
+                    if repeat and time.perf_counter() + config.runs[-1]["elapsed_s"] > deadline:
+                        break
+                    jobs = make_jobs(a.requests_factor * c, a.prompt_len, a.output_len, vocab, exit_mode, depth,
+                                     a.trace_mean, a.seed + c)
+                    run = closed_loop(engine, jobs, c, deadline)
+                    config.runs.append(run.summary())
+                    s = config.runs[-1]
+                    log(f"   c={c:<4} run {repeat + 1}: {s['tokens_per_s']:9.1f} tok/s  "
+                        f"{s['output_tokens']} tokens in {s['elapsed_s']:.1f} s"
+                        + ("  (partial: budget reached)" if s["partial"] else ""))
+                    if run.partial:
+                        break
+            except Exception as exc:
+                config.error = f"{type(exc).__name__}: {exc}"
+                log(f"   c={c}: failed: {config.error}")
+            config.memory = _cuda_memory(a.device, workers)
+            pool = _kv_pool_bytes(info, kv.num_blocks, a.block_size, engine.config.dtype)
+            config.memory["kv_pool_gib"] = pool / 2**30
+            keys = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "loops_per_token",
+                    "loops_per_generated_token", "elapsed_s")
+            config.median = {k: _median(config.runs, k) for k in keys}
+            config.median["runs"] = sum(not r["partial"] for r in config.runs) or len(config.runs)
+            config.median["partial"] = all(r["partial"] for r in config.runs)
+            config.median["budget_s"] = budget
+            if c == 1:
+                config.floor = self._floor(config, engine.config.dtype)
+            self.results.append(config)
+            self.save()
+            done += 1
+        return done
+
+    def _floor(self, config: ConfigResult, dtype: str) -> dict[str, Any] | None:
+        a = self.args
+        cfg = model_config_dict(a.model)
+        measured = config.median.get("itl_p50_s")
+        if cfg is None or measured is None:
+            return None
+        itemsize = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}[dtype]
+        tb = token_bytes(cfg, itemsize)
+        loops = config.median.get("loops_per_generated_token") or 0.0
+        context = a.prompt_len + a.output_len / 2  # mean context over the decode
+        per_token = tb.per_token(loops, context)
+        floor_s = per_token / (a.hbm_tbps * 1e12)
+        return {
+            "loop_weight_bytes": tb.loop_weights, "head_bytes": tb.head, "kv_bytes_per_position_loop":
+            tb.kv_per_position_loop, "loops_per_token": loops, "mean_context": context, "bytes_per_token": per_token,
+            "hbm_tbps": a.hbm_tbps, "floor_s": floor_s, "measured_itl_p50_s": measured, "ratio": measured / floor_s,
+            "arithmetic": (
+                f"{loops:.3g} loops × ({tb.loop_weights / 1e9:.4g} GB loop weights + {context:.0f} positions × "
+                f"{tb.kv_per_position_loop / 1e3:.4g} kB K/V) + {tb.head / 1e9:.4g} GB head = {per_token / 1e9:.4g} GB"
+                f" per token; ÷ {a.hbm_tbps} TB/s = {floor_s * 1e3:.4g} ms; measured ITL p50 "
+                f"{measured * 1e3:.3f} ms = {measured / floor_s:.1f}× the floor"
+            ),
+        }
+
+    def save(self) -> None:
+        if not self.args.json:
+            return
+        payload = {"meta": self.meta, "results": [dataclasses.asdict(r) for r in self.results]}
+        tmp = self.args.json + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(payload, f, indent=1)
+        os.replace(tmp, self.args.json)
+
+
+def _kv_pool_bytes(info: Any, num_blocks: int, block_size: int, dtype: str) -> int:
+    itemsize = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}[dtype]
+    layers = max(info.num_loop_kv_layers, info.num_outer_kv_layers)
+    return num_blocks * layers * 2 * block_size * info.num_kv_heads * info.head_dim * itemsize
+
+
+def _reset_peak(device: str, workers: int) -> None:
+    if device.startswith("cuda") and workers == 0:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _free_device(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def environment(device: str) -> dict[str, Any]:
+    """Versions and device of this run (the commit from RLT_COMMIT or git, when there is one)."""
+    import torch
+
+    env: dict[str, Any] = {
+        "python": platform.python_version(), "torch": torch.__version__, "host": platform.node(),
+        "device": device, "commit": os.environ.get("RLT_COMMIT") or _git_commit(),
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(0)
+        env["gpu"] = props.name
+        env["gpu_memory_gib"] = props.total_memory / 2**30
+        env["sms"] = props.multi_processor_count
+    return env
+
+
+def _git_commit() -> str | None:
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+# ---------------------------------------------------------------------------- output
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _ms(value: float | None) -> str:
+    return "—" if value is None else f"{value * 1e3:.1f}"
+
+
+def table(results: Sequence[ConfigResult]) -> str:
+    """The results as a Markdown table."""
+    lines = [
+        "| workers | exit | conc. | output tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | loops/token | "
+        "peak GPU GiB | runs |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        m = r.median
+        if r.error and not r.runs:
+            lines.append(f"| {r.workers} | {r.exit_mode} | {r.concurrency} | error: {r.error} | | | | | | |")
+            continue
+        loops = m.get("loops_per_token")
+        peak = r.memory.get("peak_allocated_gib", r.memory.get("device_used_gib"))
+        lines.append(
+            f"| {r.workers} | {r.exit_mode} | {r.concurrency} | {m['tokens_per_s']:.1f} | {_ms(m['ttft_p50_s'])} | "
+            f"{_ms(m['itl_p50_s'])} | {_ms(m['itl_p99_s'])} | {'—' if loops is None else f'{loops:.3f}'} | "
+            f"{'—' if peak is None else f'{peak:.1f}'} | {m['runs']}{' (partial)' if m['partial'] else ''} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: Sequence[ConfigResult], path: str, title: str) -> bool:
+    """Throughput and ITL p50 against concurrency, one line per (workers, exit); False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed: no plot (pip install 'rlt[bench]')")
+        return False
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    series: dict[tuple[int, str], list[ConfigResult]] = {}
+    for r in results:
+        if r.runs:
+            series.setdefault((r.workers, r.exit_mode), []).append(r)
+    for (workers, exit_mode), rows in sorted(series.items()):
+        xs = [r.concurrency for r in rows]
+        label = f"workers={workers}, exit={exit_mode}"
+        style = "-" if exit_mode == "fixed" else "--"
+        ax1.plot(xs, [r.median["tokens_per_s"] for r in rows], style, marker="o", label=label)
+        ax2.plot(xs, [(r.median["itl_p50_s"] or 0) * 1e3 for r in rows], style, marker="o", label=label)
+    for ax, ylabel in ((ax1, "output tokens/s"), (ax2, "ITL p50 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("concurrency (requests in flight)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+    ax1.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def results_from_json(path: str) -> tuple[dict[str, Any], list[ConfigResult]]:
+    """Read back a --json file (to plot or tabulate it elsewhere)."""
+    with open(path, encoding="utf-8") as f:
+        payload = json.load(f)
+    return payload["meta"], [ConfigResult(**r) for r in payload["results"]]
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="rlt-bench throughput", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="synthetic-ouro-1.4b")
+    p.add_argument("--device", default=None, help="cuda if available, else cpu")
+    p.add_argument("--dtype", default=None, help="bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--concurrency", type=_csv_ints, default=[1, 32, 128])
+    p.add_argument("--requests-factor", type=int, default=2, help="requests per run = factor × concurrency")
+    p.add_argument("--exit", type=_csv, default=["fixed", "trace"], help="fixed and/or trace")
+    p.add_argument("--trace-mean", type=float, default=2.5, help="mean depth of generated positions under trace")
+    p.add_argument("--workers", type=_csv_ints, default=[0, 1])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-seconds", type=float, default=45.0, help="timed seconds per configuration")
+    p.add_argument("--total-seconds", type=float, default=480.0, help="seconds for the whole grid, warm-ups included")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: auto on cuda, 512 on cpu)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--prefill-chunk-size", type=int, default=512)
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--hbm-tbps", type=float, default=HBM_TBPS, help="HBM bandwidth of the floor, TB/s")
+    p.add_argument("--json", default=None, help="write the raw numbers here")
+    p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
+    p.add_argument("--from-json", default=None, help="only tabulate/plot an earlier --json file")
+    args = p.parse_args(argv)
+    for mode in args.exit:
+        if mode not in ("fixed", "trace"):
+            p.error(f"--exit takes fixed and/or trace, not {mode!r}")
+    if args.output_len < 1 or args.prompt_len < 1 or min(args.concurrency) < 1:
+        p.error("--prompt-len, --output-len and every concurrency must be ≥ 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`rlt-bench throughput …`; prints the Markdown table last."""
+    args = parse_args(argv)
+    if args.from_json:
+        meta, results = results_from_json(args.from_json)
+        if args.plot:
+            plot(results, args.plot, _title(meta))
+        print(table(results))
+        return 0
+    from rlt_engine.config import EngineConfig
+
+    resolved = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, workers=0).resolved()
+    args.device, args.dtype = resolved.device, resolved.dtype
+    grid = Grid(args)
+    grid.meta.update(environment(args.device))
+    grid.meta["conditions"] = {
+        "model": args.model, "dtype": args.dtype, "prompt_len": args.prompt_len, "output_len": args.output_len,
+        "requests_factor": args.requests_factor, "trace_mean": args.trace_mean, "repeats": args.repeats,
+        "max_seconds": args.max_seconds, "total_seconds": args.total_seconds, "block_size": args.block_size,
+        "prefill_chunk_size": args.prefill_chunk_size, "attention_backend": resolved.attention_backend,
+        "sampling": "greedy, ignore_eos",
+    }
+    log(f"rlt-bench throughput: {args.model} {args.dtype} on {grid.meta.get('gpu', args.device)}, "
+        f"prompt {args.prompt_len}, output {args.output_len}, concurrency {args.concurrency}, "
+        f"exit {args.exit}, workers {args.workers}")
+    grid.run()
+    grid.save()
+    for r in grid.results:
+        if r.floor:
+            log(f"HBM floor, workers={r.workers} exit={r.exit_mode} c=1: {r.floor['arithmetic']}")
+    if args.plot:
+        plot(grid.results, args.plot, _title(grid.meta))
+    print(table(grid.results))
+    return 0
+
+
+def _title(meta: dict[str, Any]) -> str:
+    c = meta.get("conditions", {})
+    return (f"rlt {c.get('model')} {c.get('dtype')} on {meta.get('gpu', meta.get('device'))}: prompt "
+            f"{c.get('prompt_len')}, output {c.get('output_len')} (commit {meta.get('commit')})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
