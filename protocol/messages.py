@@ -271,7 +271,8 @@ StageBatch = PrefillBatch | PreludeBatch | RecurrentBatch | FinalizeBatch | Coda
 class ExecutionPlan(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, kw_only=True):
     """One step of one worker: slot ops around an ordered list of stage batches.
 
-    Order of application: admits, block appends, batches (in list order), releases.
+    Order of application: admits and imports (slots opened), block appends, imported pages
+    restored, batches (in list order), exports, releases, swap drops.
     """
 
     step_id: int
@@ -279,6 +280,11 @@ class ExecutionPlan(msgspec.Struct, tag=True, array_like=True, omit_defaults=Tru
     block_appends: BlockAppends = msgspec.field(default_factory=BlockAppends)
     batches: list[StageBatch] = []
     releases: SlotKeys = msgspec.field(default_factory=SlotKeys)
+    # Swap preemption: a slot's state and K/V pages go to worker-owned host memory, named by
+    # the request key (the opaque handle), and come back into a new slot and new blocks.
+    exports: SlotKeys = msgspec.field(default_factory=SlotKeys)  # save to host, then free the slot
+    imports: SlotKeys = msgspec.field(default_factory=SlotKeys)  # (key, new generation) ← host copy
+    swap_drops: SlotKeys = msgspec.field(default_factory=SlotKeys)  # forget these keys' host copies
 
 
 class StepResult(Columnar, msgspec.Struct, tag=True, array_like=True, omit_defaults=True, kw_only=True):

@@ -32,7 +32,7 @@ class EngineConfig:
     num_blocks: int | None = None  # None = auto on cuda, 512 on cpu
     block_size: int = 16
     kv_layout: str = "last_exited"
-    kv_growth: str = "reserve"
+    kv_growth: str = "on_demand"
     gpu_memory_utilization: float = 0.9
     # Scheduling
     scheduling: str = "refill"
@@ -40,7 +40,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     prefill_chunk_size: int = 512
-    preemption: str = "recompute"
+    preemption: str = "swap"
     max_bypasses: int = 8
     # Execution
     attention_backend: str | None = None  # None = triton on cuda, torch on cpu
@@ -57,7 +57,7 @@ class EngineConfig:
         _choice("scheduling", self.scheduling, ("refill", "no_refill"))
         _choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
         _choice("state_init", self.state_init, ("random", "zero"))
-        _choice("preemption", self.preemption, ("recompute",))
+        _choice("preemption", self.preemption, ("swap", "recompute"))
         if self.exit_mode is not None:
             _choice("exit_mode", self.exit_mode, EXIT_MODES)
         if self.attention_backend is not None:

@@ -67,6 +67,7 @@ class LLMEngine:
             on_demand_kv=config.kv_growth == "on_demand",
             priority=config.scheduling_policy == "priority",
             max_bypasses=config.max_bypasses,
+            swap=config.preemption == "swap",
         )
         self.scheduler = Scheduler(scheduler_config, self.policy, self.kv_managers, self.rng)
         self._busy: set[int] = set()

@@ -50,6 +50,11 @@ class KVManager:
         return len(self._free)
 
     @property
+    def completed_step(self) -> int:
+        """The last step this worker is known to have completed."""
+        return self._completed_step
+
+    @property
     def num_used_blocks(self) -> int:
         """Blocks held by requests or waiting for their last step to complete."""
         return self.num_blocks - len(self._free)

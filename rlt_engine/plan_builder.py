@@ -40,11 +40,17 @@ class PlanBuilder:
         self._admits: list[Admit] = []
         self._appends: list[tuple[int, int, list[list[int]]]] = []
         self._releases: list[tuple[int, int]] = []
+        self._exports: list[tuple[int, int]] = []
+        self._imports: list[tuple[int, int]] = []
+        self._swap_drops: list[tuple[int, int]] = []
         self._rows: dict[type, dict[str, list]] = defaultdict(lambda: defaultdict(list))
 
     @property
     def is_empty(self) -> bool:
-        return not (self._admits or self._appends or self._releases or self._rows)
+        return not (
+            self._admits or self._appends or self._releases or self._rows
+            or self._exports or self._imports or self._swap_drops
+        )
 
     def _row(self, kind: type, request: Request, **fields: object) -> None:
         request.last_step_id = self.step_id
@@ -64,10 +70,25 @@ class PlanBuilder:
         request.last_step_id = self.step_id
 
     def append_blocks(self, request: Request, planes: list[list[int]]) -> None:
-        self._appends.append((request.key, request.generation, planes))
+        # A copy: the allocation's lists may grow again later in this step.
+        self._appends.append((request.key, request.generation, [list(plane) for plane in planes]))
+        request.last_step_id = self.step_id  # its blocks are in use from this step on
 
     def release(self, key: int, generation: int) -> None:
         self._releases.append((key, generation))
+
+    def export(self, key: int, generation: int) -> None:
+        """Swap out: the slot's state and pages to host memory (handle = key), slot freed."""
+        self._exports.append((key, generation))
+
+    def import_(self, request: Request, allocation: KVAllocation) -> None:
+        """Swap in: a new slot (the request's new generation) from its host copy, into new blocks."""
+        self._imports.append((request.key, request.generation))
+        self.append_blocks(request, allocation.planes)
+        request.last_step_id = self.step_id
+
+    def drop_swapped(self, key: int) -> None:
+        self._swap_drops.append((key, 0))
 
     # ---------------------------------------------------------------- stages
 
@@ -98,8 +119,10 @@ class PlanBuilder:
             admits=self._admits,
             block_appends=self._pack_appends(),
             batches=self._pack_batches(),
-            releases=SlotKeys(keys=pack([k for k, _ in self._releases], I64),
-                              generations=pack([g for _, g in self._releases], I64)),
+            releases=_slot_keys(self._releases),
+            exports=_slot_keys(self._exports),
+            imports=_slot_keys(self._imports),
+            swap_drops=_slot_keys(self._swap_drops),
         )
 
     def _pack_appends(self) -> BlockAppends:
@@ -123,3 +146,7 @@ class PlanBuilder:
             batches.append(kind(**columns))
         return batches
 
+
+
+def _slot_keys(pairs: list[tuple[int, int]]) -> SlotKeys:
+    return SlotKeys(keys=pack([k for k, _ in pairs], I64), generations=pack([g for _, g in pairs], I64))

@@ -23,6 +23,7 @@ from rlt_engine.kv_manager import KVManager
 from rlt_engine.plan_builder import PlanBuilder
 from rlt_engine.request import Phase, Request, RequestStatus
 from rlt_engine.rng import RngRegistry
+from rlt_engine.swap_book import SwapBook
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class SchedulerConfig:
     on_demand_kv: bool = False  # admit with prompt + one block, grow as positions advance
     priority: bool = False  # scheduling_policy="priority": lower priority number first
     max_bypasses: int = 8
+    swap: bool = False  # preemption="swap": victims' slots go to host memory instead of being recomputed
 
 
 @dataclass
@@ -73,6 +75,10 @@ class Scheduler:
         # Slots whose release was sent but not yet completed: a plan applies admits before
         # releases, so a released slot is only reusable from the step after its release.
         self._releases_in_flight: list[dict[int, int]] = [{} for _ in kv_managers]
+        self.swap = SwapBook(len(kv_managers))
+        # A worker whose running requests could not grow last step admits nothing new, so
+        # that freed blocks go to the work already running (no admit/preempt ping-pong).
+        self._short_of_blocks = [False] * len(kv_managers)
         self._next_key = 1
         self._next_generation = 1
         self._next_step = 1
@@ -116,6 +122,11 @@ class Scheduler:
                 self._to_release[request.worker].append((request.key, request.generation))
             if request.allocation is not None:
                 self.kv[request.worker].free(request.allocation, after_step=request.last_step_id)
+        elif request.key in self.swap.swapped_on:
+            worker = self.swap.swapped_on[request.key]
+            unexported = self.swap.forget(request, self.kv[worker])
+            if unexported is not None:
+                self._to_release[worker].append(unexported)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.rng.drop(request.key)
@@ -128,7 +139,8 @@ class Scheduler:
 
     def has_work(self, worker: int) -> bool:
         """Whether schedule(worker) would produce a plan."""
-        return self.alive[worker] and bool(self.running[worker] or self._to_release[worker] or self.waiting)
+        pending = self.running[worker] or self._to_release[worker] or self.waiting or self.swap.has_ops(worker)
+        return self.alive[worker] and bool(pending)
 
     # ------------------------------------------------------------------ schedule
 
@@ -138,10 +150,12 @@ class Scheduler:
         plan = PlanBuilder(self._next_step, self.policy.signal)
         budget = self.config.max_num_batched_tokens
         cohort_busy = not self.config.refill and any(r.phase == Phase.LOOP for r in self.running[worker])
+        self._short_of_blocks[worker] = False
         for key, generation in self._to_release[worker]:
             plan.release(key, generation)
-        if self._to_release[worker]:
-            self._releases_in_flight[worker][plan.step_id] = len(self._to_release[worker])
+        freed_slots = len(self._to_release[worker]) + self.swap.emit(plan, worker, self.kv[worker])
+        if freed_slots:
+            self._releases_in_flight[worker][plan.step_id] = freed_slots
         self._to_release[worker].clear()
         for request in self._to_admit[worker]:
             plan.admit(request, request.allocation)
@@ -149,17 +163,19 @@ class Scheduler:
         for request in list(self.running[worker]):
             if budget <= 0:
                 break
-            if request.phase == Phase.LOOP and request.worker == worker:
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            if request.phase == Phase.LOOP:
                 self._schedule_loop(plan, request)
                 budget -= 1
-            elif request.phase == Phase.BOUNDARY and not cohort_busy and request.worker == worker:
+            elif request.phase == Phase.BOUNDARY and not cohort_busy:
                 if self._ensure_positions(plan, request, min(request.position + 2, request.max_positions)):
                     self._schedule_boundary(plan, request)
                     budget -= 1
         for request in list(self.running[worker]):
             if budget <= 0:
                 break
-            if request.phase == Phase.PREFILL and request.worker == worker:
+            if request.phase == Phase.PREFILL and request.status == RequestStatus.RUNNING:
                 budget -= self._schedule_prefill(plan, request, budget, cohort_busy)
         if plan.is_empty:
             return None
@@ -177,6 +193,8 @@ class Scheduler:
             request = self._next_waiting()
             worker = self._placement(request)
             if worker is None and self.config.priority and self._preempt_for(request):
+                if self.config.swap:
+                    return  # the victim's blocks and slot return only after its export runs
                 continue
             if worker is None:
                 return
@@ -189,9 +207,12 @@ class Scheduler:
             request.generation = self._next_generation
             self._next_generation += 1
             request.status = RequestStatus.RUNNING
-            request.phase = Phase.PREFILL
             self.running[worker].append(request)
-            self._to_admit[worker].append(request)
+            if request.key in self.swap.swapped_on:
+                self.swap.swap_in(request)  # resumes in the phase it left
+            else:
+                request.phase = Phase.PREFILL
+                self._to_admit[worker].append(request)
 
     def _next_waiting(self) -> Request:
         if not self.config.priority:
@@ -202,14 +223,21 @@ class Scheduler:
         return min(self.waiting, key=lambda r: (r.params.priority, r.arrival))
 
     def _initial_positions(self, request: Request) -> int:
+        if request.key in self.swap.positions:
+            return self.swap.positions[request.key]
         if not self.config.on_demand_kv:
             return request.max_positions
         return min(request.max_positions, request.prompt_len + self.kv[0].block_size)
 
     def _placement(self, request: Request) -> int | None:
+        swapped_on = self.swap.swapped_on.get(request.key)
+        if swapped_on is not None and not self.swap.can_resume(request, self.kv[swapped_on].completed_step):
+            return None
         candidates = [
             w for w, kv in enumerate(self.kv)
             if self.alive[w]
+            and not self._short_of_blocks[w]
+            and swapped_on in (None, w)
             and self._num_slots_held(w) < self.config.max_num_seqs
             and kv.can_allocate(self._initial_positions(request))
         ]
@@ -234,10 +262,13 @@ class Scheduler:
         assert allocation is not None
         while allocation.num_positions < num_positions:
             if not kv.can_grow():
+                self._short_of_blocks[request.worker] = True
                 victim = self._growth_victim(request, plan.step_id)
                 if victim is None:
                     return False
                 self.preempt(victim)
+                if self.config.swap:
+                    return False  # a swapped victim's blocks return only after its export runs
                 continue
             plan.append_blocks(request, kv.grow(allocation))
         return True
@@ -253,23 +284,34 @@ class Scheduler:
         return max(victims, key=lambda r: (r.params.priority, r.allocation.num_blocks if r.allocation else 0))
 
     def preempt(self, request: Request) -> None:
-        """Recompute preemption: free the slot and KV now, replay depth-faithfully on resume."""
+        """Take a running request off its worker; it waits at the front of the queue.
+
+        swap: its slot state and pages are exported to the worker's host memory and imported
+        on resume. recompute (or a request that never reached its worker): slot and blocks go
+        back now and the request replays depth-faithfully on resume.
+        """
         worker = request.worker
         self.running[worker].remove(request)
-        if request in self._to_admit[worker]:
+        never_started = request in self._to_admit[worker]
+        if never_started:
             self._to_admit[worker].remove(request)
+        if self.config.swap and not never_started:
+            self.swap.swap_out(request, request.allocation)
         else:
-            self._to_release[worker].append((request.key, request.generation))
-        if request.allocation is not None:
+            if not never_started:
+                self._to_release[worker].append((request.key, request.generation))
             self.kv[worker].free(request.allocation, after_step=request.last_step_id)
-            request.allocation = None
+            self._reset_for_replay(request)
+        request.allocation = None
         request.status = RequestStatus.WAITING
-        self._reset_for_replay(request)
         self.waiting.appendleft(request)
         self.stats.num_preemptions += 1
 
     def _num_slots_held(self, worker: int) -> int:
-        releasing = len(self._to_release[worker]) + sum(self._releases_in_flight[worker].values())
+        releasing = (
+            len(self._to_release[worker]) + self.swap.num_pending_exports(worker)
+            + sum(self._releases_in_flight[worker].values())
+        )
         return len(self.running[worker]) + releasing
 
     def _schedule_loop(self, plan: PlanBuilder, request: Request) -> None:
@@ -354,6 +396,11 @@ class Scheduler:
             self.waiting.appendleft(request)
             self.stats.num_replays += 1
         self.running[worker].clear()
+        lost_copies = set(self.swap.worker_lost(worker))
+        for request in self.waiting:
+            if request.key in lost_copies:  # its host copy died with the worker: replay instead
+                self._reset_for_replay(request)
+                self.stats.num_replays += 1
         return failed
 
     def fail_all(self, reason: str) -> list[Request]:

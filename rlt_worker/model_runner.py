@@ -46,6 +46,7 @@ from rlt_worker.paged_context import PagedContext, PagedPlaneView
 from rlt_worker.philox import truncated_normal
 from rlt_worker.sampler import SamplingTensors, sample
 from rlt_worker.step_results import ResultBuilder
+from rlt_worker.swap import SwapStore
 
 
 class SlotError(RuntimeError):
@@ -101,6 +102,12 @@ class ModelRunner:
         self._pin = self.device.type == "cuda"
         self._slot_of: dict[tuple[int, int], int] = {}
         self._free_slots = list(range(slots - 1, -1, -1))
+        self._swap = SwapStore()
+
+    @property
+    def num_swapped(self) -> int:
+        """Slots whose state and pages are held in host memory (swap preemption)."""
+        return len(self._swap)
 
     @property
     def num_free_slots(self) -> int:
@@ -114,7 +121,9 @@ class ModelRunner:
         results = ResultBuilder(plan.step_id)
         for admit in plan.admits:
             self._admit(admit)
+        imported = self._swap.open_imports(self, plan.imports)
         self._append_blocks(plan.block_appends)
+        self._swap.restore_pages(self, imported)
         for batch in plan.batches:
             if isinstance(batch, PrefillBatch):
                 self._prefill(batch)
@@ -126,13 +135,16 @@ class ModelRunner:
                 self._finalize(batch)
             elif isinstance(batch, CodaBatch):
                 self._coda(batch, results)
+        self._swap.export(self, plan.exports)
         self._release(plan.releases)
+        self._swap.drop(plan.swap_drops)
         return results.build(num_free_slots=self.num_free_slots)
 
     # ------------------------------------------------------------------ slot table
 
-    def _admit(self, admit: Admit) -> None:
-        identity = (admit.key, admit.generation)
+    def open_slot(self, key: int, generation: int) -> int:
+        """Map (key, generation) to a free slot with an empty block table."""
+        identity = (key, generation)
         if identity in self._slot_of:
             raise SlotError(f"slot {identity} is already open")
         if not self._free_slots:
@@ -140,6 +152,22 @@ class ModelRunner:
         slot = self._free_slots.pop()
         self._slot_of[identity] = slot
         self._num_blocks[slot] = 0
+        return slot
+
+    def close_slot(self, key: int, generation: int) -> int:
+        """Unmap (key, generation); returns the slot index it held."""
+        slot = self._slot_of.pop((key, generation), None)
+        if slot is None:
+            raise SlotError(f"release of unknown slot {(key, generation)}")
+        self._free_slots.append(slot)
+        return slot
+
+    def slot_blocks(self, slot: int) -> np.ndarray:
+        """The slot's block ids, [planes, num_blocks] (host mirror)."""
+        return self._host_tables[slot, :, : self._num_blocks[slot]]
+
+    def _admit(self, admit: Admit) -> None:
+        slot = self.open_slot(admit.key, admit.generation)
         self.temperature[slot] = admit.sampling.temperature
         self._host_greedy[slot] = admit.sampling.temperature <= 0
         self._greedy_owner[slot] = (admit.key, admit.generation)
@@ -147,11 +175,12 @@ class ModelRunner:
         self.top_p[slot] = admit.sampling.top_p
 
     def _release(self, releases: SlotKeys) -> None:
-        for identity in zip(releases.col("keys").tolist(), releases.col("generations").tolist(), strict=True):
-            slot = self._slot_of.pop(identity, None)
-            if slot is None:
-                raise SlotError(f"release of unknown slot {identity}")
-            self._free_slots.append(slot)
+        for key, generation in zip(releases.col("keys").tolist(), releases.col("generations").tolist(), strict=True):
+            self.close_slot(key, generation)
+
+    def slot_of(self, key: int, generation: int) -> int:
+        """The slot index of an open (key, generation)."""
+        return self._slots(np.array([key]), np.array([generation]))[0]
 
     def _slots(self, keys: np.ndarray, generations: np.ndarray) -> list[int]:
         try:

@@ -253,6 +253,9 @@ def run_worker(
 ) -> int:
     """Serve one engine until it says Shutdown or goes away; returns the process exit code."""
     if parent_pid is not None:
+        # Ctrl-C in a terminal signals the whole process group: a local worker must leave it to
+        # its engine, which drains and then sends Shutdown (SPEC §7).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         arm_parent_death_signal()
         if os.getppid() != parent_pid:  # the engine died before the signal was armed
             log.error("engine (pid %d) died before this worker started", parent_pid)

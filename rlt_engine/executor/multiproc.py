@@ -37,13 +37,16 @@ from rlt_engine.config import EngineConfig
 from rlt_engine.errors import WorkerStartupError
 from rlt_engine.executor.base import Executor, WorkerLost
 from rlt_engine.executor.processes import (
+    ENGINE_PID_FILE,
     AllowList,
     HeartbeatThread,
     WorkerHandle,
+    bind_socket,
     descendants,
     describe_exit,
     emergency_cleanup,
     kill_tree,
+    remove_stale_dirs,
     visible_device,
 )
 from rlt_worker.worker_process import heartbeat_address
@@ -53,7 +56,6 @@ log = logging.getLogger("rlt.executor")
 HEARTBEAT_INTERVAL_S = 1.0
 STARTUP_TIMEOUT_S = 600.0  # loading a large checkpoint onto a GPU takes minutes
 SHUTDOWN_GRACE_S = 3.0
-_IPC_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) − 1
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,10 @@ class MultiprocExecutor(Executor):
         return readies
 
     def _open(self) -> None:
+        remove_stale_dirs(tempfile.gettempdir())
         self._dir = tempfile.mkdtemp(prefix="rlt-")  # mode 0700
+        with open(os.path.join(self._dir, ENGINE_PID_FILE), "w") as f:
+            f.write(str(os.getpid()))
         self._finalizer = weakref.finalize(self, emergency_cleanup, self._dir, self._processes)
         self._ctx = zmq.Context()
         sockets = [self._bind(zmq.PUB, f"ipc://{self._dir}/heartbeat.sock")]
@@ -159,26 +164,7 @@ class MultiprocExecutor(Executor):
 
     def _bind(self, kind: int, address: str, curve: bool = False) -> zmq.Socket:
         assert self._ctx is not None
-        if address.startswith("ipc://") and len(address) - len("ipc://") > _IPC_PATH_MAX:
-            raise ValueError(f"ipc path too long for a unix socket ({address}); use a shorter TMPDIR")
-        sock = self._ctx.socket(kind)
-        sock.linger = 0
-        if curve:
-            sock.curve_server = True
-            sock.curve_secretkey = self._server_secret
-        for attempt in range(20):
-            try:
-                sock.bind(address)
-                break
-            except zmq.ZMQError as exc:
-                # A restarted remote worker rebinds its port, which the closed socket may hold briefly.
-                if exc.errno != zmq.EADDRINUSE or attempt == 19 or not address.startswith("tcp://"):
-                    sock.close(linger=0)
-                    raise
-                time.sleep(0.1)
-        if address.startswith("ipc://"):
-            os.chmod(address[len("ipc://") :], 0o600)
-        return sock
+        return bind_socket(self._ctx, kind, address, self._server_secret if curve else None)
 
     def _launch(self, index: int) -> WorkerHandle:
         self._incarnation += 1

@@ -3,6 +3,7 @@ the CURVE allow-list, and killing a worker's process tree by pid."""
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import shutil
@@ -11,6 +12,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import psutil
 import zmq
@@ -21,6 +23,33 @@ from protocol.messages import Heartbeat
 from rlt_engine.errors import WorkerStartupError
 
 log = logging.getLogger("rlt.executor")
+
+ENGINE_PID_FILE = "engine.pid"  # in each private directory, so a later engine can tell it is stale
+_IPC_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) − 1
+
+
+def bind_socket(ctx: zmq.Context, kind: int, address: str, curve_secret: bytes | None = None) -> zmq.Socket:
+    """A bound socket (a CURVE server when given its secret key); ipc socket files get mode 0600."""
+    if address.startswith("ipc://") and len(address) - len("ipc://") > _IPC_PATH_MAX:
+        raise ValueError(f"ipc path too long for a unix socket ({address}); use a shorter TMPDIR")
+    sock = ctx.socket(kind)
+    sock.linger = 0
+    if curve_secret is not None:
+        sock.curve_server = True
+        sock.curve_secretkey = curve_secret
+    for attempt in range(20):
+        try:
+            sock.bind(address)
+            break
+        except zmq.ZMQError as exc:
+            # A restarted remote worker rebinds its port, which the closed socket may hold briefly.
+            if exc.errno != zmq.EADDRINUSE or attempt == 19 or not address.startswith("tcp://"):
+                sock.close(linger=0)
+                raise
+            time.sleep(0.1)
+    if address.startswith("ipc://"):
+        os.chmod(address[len("ipc://") :], 0o600)  # the directory is 0700 already; belt and braces
+    return sock
 
 
 @dataclass(eq=False)
@@ -139,6 +168,19 @@ def kill_tree(proc: subprocess.Popen, children: list[psutil.Process] | None = No
         except psutil.Error:
             pass
     psutil.wait_procs(children, timeout=2)
+
+
+def remove_stale_dirs(parent: str) -> None:
+    """Remove private directories left by killed engines: ours, and naming an engine pid that is gone."""
+    for pid_file in glob.glob(os.path.join(parent, "rlt-*", ENGINE_PID_FILE)):
+        try:
+            pid = int(Path(pid_file).read_text())
+            if os.stat(pid_file).st_uid != os.getuid() or psutil.pid_exists(pid):
+                continue
+        except (OSError, ValueError):
+            continue
+        log.info("removing %s, left behind by engine pid %d", os.path.dirname(pid_file), pid)
+        shutil.rmtree(os.path.dirname(pid_file), ignore_errors=True)
 
 
 def emergency_cleanup(directory: str, processes: list[subprocess.Popen]) -> None:
