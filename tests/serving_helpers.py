@@ -50,7 +50,9 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "rlt_engine.cli", "serve", "--ipc", self.ipc, "--device", "cpu",
                "--dtype", "float64", *self.args]
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL, text=True)
+        # Its own process group, as a shell job would be: a test can signal the group like Ctrl-C does.
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL, text=True,
+                                     start_new_session=True)
         self.tree = [psutil.Process(self.proc.pid)]
         ready = threading.Event()
         threading.Thread(target=self._read_stdout, args=(ready,), daemon=True).start()
@@ -90,6 +92,11 @@ class ServerProcess:
     def signal(self, sig: int) -> None:
         self.refresh_tree()
         os.kill(self.pid, sig)
+
+    def signal_group(self, sig: int) -> None:
+        """Signal the server's process group (the server and its workers), as Ctrl-C in a terminal does."""
+        self.refresh_tree()
+        os.killpg(self.pid, sig)
 
     def wait(self, timeout: float) -> int:
         assert self.proc is not None
