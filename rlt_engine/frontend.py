@@ -306,6 +306,9 @@ class Frontend:
             return refuse("invalid_request", str(exc))
         except EngineDeadError as exc:
             return refuse("engine_dead", str(exc))
+        except Exception as exc:  # a bug must cost one request, not the server
+            log.exception("add_request(%r) failed", engine_id)
+            return refuse("internal", f"{type(exc).__name__}: {exc}")
         peer.requests[rid] = engine_id
         self._live[engine_id] = _Live(identity, rid, engine_id, message.params.logprobs > 0,
                                       IncrementalText(message.params.stop))
