@@ -46,13 +46,14 @@ class LLMEngine:
         self.executor = make_executor(config)
         try:
             readies = self.executor.start()
+            # A configuration the model cannot serve fails here, with no worker left behind.
+            self.policy = make_exit_policy(config.exit_mode, readies[0].model)
         except BaseException:
             self.executor.shutdown()
             raise
         ready = readies[0]
         self.model_info = ready.model
         self.max_depth = ready.max_loops
-        self.policy = make_exit_policy(config.exit_mode, ready.model)
         self.kv_managers = [KVManager(r.num_blocks, config.block_size, r.num_planes) for r in readies]
         self.rng = RngRegistry()
         scheduler_config = SchedulerConfig(
@@ -74,6 +75,7 @@ class LLMEngine:
         self._free_slots = [-1] * len(readies)  # as reported by each worker's last result
         self._plan_listeners: list[PlanListener] = []
         self._aborted: list[Request] = []
+        self.num_worker_restarts = 0
         self._closed = False
         self.is_dead = False  # no worker left: every request failed, nothing more can run
 
@@ -106,7 +108,7 @@ class LLMEngine:
         return bool(self._busy)
 
     def health(self) -> HealthReport:
-        """Liveness and load: alive workers, waiting and running requests, KV usage per worker."""
+        """Liveness and load: alive workers, waiting and running requests, KV usage per worker, counters."""
         scheduler = self.scheduler
         workers = [
             WorkerHealth(index=w, alive=scheduler.alive[w], kv_blocks_total=kv.num_blocks,
@@ -115,7 +117,9 @@ class LLMEngine:
             for w, kv in enumerate(scheduler.kv)
         ]
         running = sum(len(r) for r in scheduler.running)
-        return HealthReport(workers=workers, waiting=len(scheduler.waiting), running=running)
+        return HealthReport(workers=workers, waiting=len(scheduler.waiting), running=running,
+                            num_preemptions=scheduler.stats.num_preemptions, num_replays=scheduler.stats.num_replays,
+                            num_worker_restarts=self.num_worker_restarts)
 
     def add_plan_listener(self, listener: PlanListener) -> None:
         """Call `listener(worker, plan)` for every plan submitted (tests and tracing)."""
@@ -213,6 +217,7 @@ class LLMEngine:
         failed = self.scheduler.worker_lost(worker)
         if self.config.restart_workers:
             ready = self.executor.restart(worker)
+            self.num_worker_restarts += 1
             self.scheduler.worker_started(worker, KVManager(ready.num_blocks, self.config.block_size, ready.num_planes))
         elif not any(self.scheduler.alive):
             log.error("no worker left: every in-flight request ends with an error")

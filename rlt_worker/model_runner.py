@@ -92,9 +92,8 @@ class ModelRunner:
         )
         self.temperature = torch.ones(slots, dtype=torch.float64, device=self.device)
         # Host knowledge of greedy rows (temperature <= 0), so sampling needs no readback to
-        # choose its path; valid only for the slot incarnation whose admit recorded it.
-        self._host_greedy = np.zeros(slots, dtype=bool)
-        self._greedy_owner: list[tuple[int, int] | None] = [None] * slots
+        # choose its path. Reset on every slot opening; set by admit and by a swap import.
+        self.host_greedy = np.zeros(slots, dtype=bool)
         self.top_k = torch.full((slots,), -1, dtype=torch.long, device=self.device)
         self.top_p = torch.ones(slots, dtype=torch.float64, device=self.device)
         self._num_blocks = [0] * slots
@@ -152,6 +151,7 @@ class ModelRunner:
         slot = self._free_slots.pop()
         self._slot_of[identity] = slot
         self._num_blocks[slot] = 0
+        self.host_greedy[slot] = False
         return slot
 
     def close_slot(self, key: int, generation: int) -> int:
@@ -169,8 +169,7 @@ class ModelRunner:
     def _admit(self, admit: Admit) -> None:
         slot = self.open_slot(admit.key, admit.generation)
         self.temperature[slot] = admit.sampling.temperature
-        self._host_greedy[slot] = admit.sampling.temperature <= 0
-        self._greedy_owner[slot] = (admit.key, admit.generation)
+        self.host_greedy[slot] = admit.sampling.temperature <= 0
         self.top_k[slot] = admit.sampling.top_k
         self.top_p[slot] = admit.sampling.top_p
 
@@ -395,14 +394,8 @@ class ModelRunner:
             seeds=seeds,
             indices=sample_indices,
         )
-        # False (take the general path, which is exact for greedy rows too) unless every row's
-        # own admit recorded a greedy temperature.
-        all_greedy = all(
-            self._greedy_owner[slot] == (key, generation) and self._host_greedy[slot]
-            for slot, key, generation in zip(
-                row_slots[sampled].tolist(), keys[sampled].tolist(), generations[sampled].tolist(), strict=True
-            )
-        )
+        # The general path is exact for greedy rows too; the shortcut only skips the noise.
+        all_greedy = bool(self.host_greedy[row_slots[sampled]].all())
         tokens, logprobs = sample(self.model.lm_head(hidden), params, all_greedy=all_greedy)
         self.tokens[slots] = tokens
         results.add(Stage.CODA, keys[sampled], generations[sampled], tokens=tokens, logprobs=logprobs)

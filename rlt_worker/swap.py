@@ -27,6 +27,7 @@ class HostCopy:
 
     rows: dict[str, torch.Tensor]
     pages: torch.Tensor
+    greedy: bool
 
 
 class SwapStore:
@@ -51,7 +52,8 @@ class SwapStore:
                 for name in _SLOT_TENSORS if getattr(runner, name) is not None
             }
             pages = runner.storage.pool[:, :, blocks].to("cpu", copy=True)
-            self._copies[key] = HostCopy(rows, pages.pin_memory() if pin else pages)
+            greedy = bool(runner.host_greedy[slot])
+            self._copies[key] = HostCopy(rows, pages.pin_memory() if pin else pages, greedy)
             runner.close_slot(key, generation)
 
     def open_imports(self, runner: ModelRunner, imports: SlotKeys) -> list[tuple[int, int]]:
@@ -63,6 +65,7 @@ class SwapStore:
             slot = runner.open_slot(key, generation)
             for name, row in self._copies[key].rows.items():
                 getattr(runner, name)[slot] = row.to(runner.device)
+            runner.host_greedy[slot] = self._copies[key].greedy
             opened.append((key, slot))
         return opened
 

@@ -99,9 +99,6 @@ def test_signal_modes_need_a_coda_signal(exit_mode):
         make_llm("toy-ouro", exit_mode=exit_mode)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: LLMEngine.__init__ (rlt_engine/engine.py) starts the workers, then make_exit_policy raises "
-    "outside the try that shuts the executor down; the worker process lives while the traceback does"))
 def test_configuration_error_leaves_no_worker_running():
     """The ValueError of a bad exit_mode must not leave a worker process behind, even while the
     exception is still referenced (as pytest.raises, or sys.last_exc at a Python prompt, keep it)."""
