@@ -23,12 +23,7 @@ BLOCKS_PER_PLANE = 10  # about two requests' worth: growth must preempt
 MAX_NUM_SEQS = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,7 @@ from rlt_worker.models.reference import ReferenceConfig, generate_reference, pro
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 108, 111, 111, 112]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")

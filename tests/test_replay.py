@@ -5,18 +5,11 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from rlt_engine import LLM, SamplingParams
 from rlt_engine.executor import WorkerLost
 
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def run(model: str, layout: str, mode: str, lose_worker_at_step: int | None):
