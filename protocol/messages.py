@@ -71,6 +71,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     attention_backend: str  # "torch" | "triton"
     state_init: str  # Huginn: "random" | "zero"
     num_threads: int = 0  # torch intra-op threads (0 = leave torch's default)
+    cuda_graphs: bool = False  # decode loop passes from CUDA graphs (CUDA with the Triton backend)
 
 
 class WorkerHello(msgspec.Struct, tag=True, array_like=True, kw_only=True):

@@ -45,7 +45,12 @@ class EngineConfig:
     # Execution
     attention_backend: str | None = None  # None = triton on cuda, torch on cpu
     max_plans_in_flight: int = 1
-    cuda_graphs: bool = False
+    # Decode loop passes (RecurrentBatch rows without a signal) replayed from CUDA graphs bucketed
+    # by row count and block-table width. Takes effect on CUDA with Triton attention only.
+    cuda_graphs: bool = True
+    # Most loops one plan runs for a row that cannot exit in between (fixed, trace);
+    # 0 = auto: D on CUDA, 1 on the CPU (where tests read one loop per plan).
+    loops_per_plan: int = 0
     mixed_batches: bool = False
     # Processes
     restart_workers: bool = False
@@ -70,6 +75,7 @@ class EngineConfig:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("prefill_chunk_size", self.prefill_chunk_size)
         _positive("max_plans_in_flight", self.max_plans_in_flight)
+        _positive("loops_per_plan", self.loops_per_plan, minimum=0)
         if self.num_blocks is not None:
             _positive("num_blocks", self.num_blocks)
         if self.max_loops is not None:
@@ -90,7 +96,13 @@ class EngineConfig:
         if dtype == "float64" and on_cuda:
             raise ValueError("dtype float64 is only supported on the CPU")
         backend = self.attention_backend or ("triton" if on_cuda else "torch")
-        return dataclasses.replace(self, device=device, dtype=dtype, attention_backend=backend)
+        # Graph capture needs a sync-free attention path: the Triton backend on CUDA.
+        graphs = self.cuda_graphs and on_cuda and backend == "triton"
+        loops_per_plan = self.loops_per_plan or (0 if on_cuda else 1)  # 0 stays: D, known once workers are up
+        return dataclasses.replace(
+            self, device=device, dtype=dtype, attention_backend=backend, cuda_graphs=graphs,
+            loops_per_plan=loops_per_plan,
+        )
 
     def worker_config(self, device: str) -> WorkerConfig:
         """What every worker builds (the device string is per worker)."""
@@ -107,6 +119,7 @@ class EngineConfig:
             max_num_seqs=self.max_num_seqs,
             attention_backend=self.attention_backend,
             state_init=self.state_init,
+            cuda_graphs=self.cuda_graphs,
         )
 
 

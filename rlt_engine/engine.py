@@ -69,6 +69,7 @@ class LLMEngine:
             priority=config.scheduling_policy == "priority",
             max_bypasses=config.max_bypasses,
             swap=config.preemption == "swap",
+            loops_per_plan=config.loops_per_plan or self.max_depth,
         )
         self.scheduler = Scheduler(scheduler_config, self.policy, self.kv_managers, self.rng)
         self._busy: set[int] = set()

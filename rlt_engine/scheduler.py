@@ -42,6 +42,9 @@ class SchedulerConfig:
     priority: bool = False  # scheduling_policy="priority": lower priority number first
     max_bypasses: int = 8
     swap: bool = False  # preemption="swap": victims' slots go to host memory instead of being recomputed
+    # Most loops one plan runs for a row whose exit depth is known before it starts (no signal:
+    # fixed, trace). 1 = one loop per plan; the row leaves the runner's pass when its count ends.
+    loops_per_plan: int = 1
 
 
 @dataclass
@@ -315,8 +318,18 @@ class Scheduler:
         return len(self.running[worker]) + releasing
 
     def _schedule_loop(self, plan: PlanBuilder, request: Request) -> None:
-        request.depth += 1
-        plan.recurrent(request, request.position, request.depth)
+        """The position's next loops: one, or up to `loops_per_plan` when no exit can come in between."""
+        first = request.depth + 1
+        num_loops = self._num_loops(request, first)
+        request.depth = first + num_loops - 1
+        plan.recurrent(request, request.position, first, num_loops)
+
+    def _num_loops(self, request: Request, first_depth: int) -> int:
+        """Loops one plan runs from `first_depth`: several only when the exit depth is known up
+        front (a policy with no signal, so nothing read between loops could end the position)."""
+        if self.policy.signal != Signal.NONE or request.exit_depth is None:
+            return 1
+        return max(1, min(self.config.loops_per_plan, request.exit_depth - first_depth + 1))
 
     def _schedule_prefill(self, plan: PlanBuilder, request: Request, budget: int, cohort_busy: bool) -> int:
         """Schedule the next prompt chunk; returns the tokens it costs."""
@@ -369,7 +382,9 @@ class Scheduler:
             request.exit_depth = self.policy.planned_exit(request, next_output)
         token = request.output_token_ids[output_index] if replaying else -1
         plan.prelude(request, request.position, token)
-        plan.recurrent(request, request.position, 1)
+        num_loops = self._num_loops(request, 1)
+        request.depth = num_loops
+        plan.recurrent(request, request.position, 1, num_loops)
 
     # ------------------------------------------------------------------ faults
 

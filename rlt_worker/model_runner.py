@@ -40,6 +40,7 @@ from protocol.messages import (
     StepResult,
 )
 from rlt_worker.attention import get_backend
+from rlt_worker.cuda_graphs import LoopPassGraphs
 from rlt_worker.kv_storage import LAST_EXITED, KVStorage
 from rlt_worker.models.base import LoopedModel
 from rlt_worker.paged_context import PagedContext, PagedPlaneView
@@ -63,6 +64,9 @@ class RunnerConfig:
     max_slots: int
     attention_backend: str
     state_init: str  # Huginn: "random" | "zero"
+    # A KV block the engine never allocates: padding rows of graph-captured passes use it (-1: none).
+    scratch_block: int = -1
+    cuda_graphs: bool = False  # decode loop passes from CUDA graphs (needs scratch_block and CUDA)
 
 
 class ModelRunner:
@@ -78,12 +82,15 @@ class ModelRunner:
         dtype = storage.pool.dtype
         slots, hidden = config.max_slots, info.hidden_size
         max_blocks = math.ceil(info.max_model_len / storage.block_size)
-        self.state = torch.zeros(slots, hidden, dtype=dtype, device=self.device)
-        self.embedded = torch.zeros(slots, hidden, dtype=dtype, device=self.device)
+        # One row more than there are slots: the dummy slot of graph padding rows (never opened).
+        self.state = torch.zeros(slots + 1, hidden, dtype=dtype, device=self.device)
+        self.embedded = torch.zeros(slots + 1, hidden, dtype=dtype, device=self.device)
         self.tokens = torch.zeros(slots, dtype=torch.long, device=self.device)
         # The host copy answers host-side questions (finalize addresses) without a device readback.
         self._host_tables = np.zeros((slots, config.num_planes, max_blocks), dtype=np.int32)
-        self.block_tables = torch.zeros(slots, config.num_planes, max_blocks, dtype=torch.int32, device=self.device)
+        self.block_tables = torch.zeros(
+            slots + 1, config.num_planes, max_blocks, dtype=torch.int32, device=self.device
+        )
         signal_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         self.prev_logp = (
             torch.zeros(slots, info.vocab_size, dtype=signal_dtype, device=self.device)
@@ -102,6 +109,20 @@ class ModelRunner:
         self._slot_of: dict[tuple[int, int], int] = {}
         self._free_slots = list(range(slots - 1, -1, -1))
         self._swap = SwapStore()
+        self._graphs: LoopPassGraphs | None = None
+        if config.cuda_graphs and self.device.type == "cuda":
+            self.use_pass_graphs(emulate=False)
+
+    def use_pass_graphs(self, emulate: bool) -> None:
+        """Run no-signal decode loop passes through LoopPassGraphs (emulate: eagerly, CPU tests)."""
+        if self.config.scratch_block < 0:
+            raise ValueError("graph-captured passes need a scratch KV block (RunnerConfig.scratch_block)")
+        self._graphs = LoopPassGraphs(self, self.config.max_slots, self.config.scratch_block, emulate)
+
+    @property
+    def graph_stats(self) -> dict | None:
+        """Counters of graph-replayed and eager decode passes (None when graphs are off)."""
+        return None if self._graphs is None else self._graphs.stats.as_dict()
 
     @property
     def num_swapped(self) -> int:
@@ -239,9 +260,10 @@ class ModelRunner:
         return min(self._max_blocks, int(positions.max()) // self.storage.block_size + 1)
 
     def _context(
-        self, slots: torch.Tensor, positions: torch.Tensor, depths: torch.Tensor | None, width: int
+        self, slots: torch.Tensor, positions: torch.Tensor, depths: torch.Tensor | None, width: int,
+        outer: bool = True,
     ) -> PagedContext:
-        """Views of each row's depth plane (when depths are given) and of the outer plane.
+        """Views of each row's depth plane (when depths are given) and of the outer plane (unless not `outer`).
 
         Tables are trimmed to `width` columns (the batch's longest row), which the attention
         backends read as the batch's longest context (the Triton split heuristic among them).
@@ -251,7 +273,7 @@ class ModelRunner:
         loop_view = outer_view = None
         if depths is not None:
             loop_view = PagedPlaneView(tables[slots, self._loop_plane(depths)], positions, block_size)
-        if self.model.info.num_outer_kv_layers:
+        if outer and self.model.info.num_outer_kv_layers:
             outer_view = PagedPlaneView(tables[:, self.config.num_planes - 1][slots], positions, block_size)
         return PagedContext(self.storage, self._backend, positions, loop_view, outer_view)
 
@@ -312,10 +334,16 @@ class ModelRunner:
         signals = None
         if batch.signal != Signal.NONE:
             signals = torch.full((len(row_slots),), math.nan, dtype=torch.float64, device=self.device)
-        all_slots, all_pos, all_first = self._upload(row_slots, positions, first)
+        graphs = self._graphs if batch.signal == Signal.NONE else None
+        uploaded: list[torch.Tensor] | None = None
         width = self._width(positions)
         for j in range(int(num_loops.max())):
             active = np.flatnonzero(num_loops > j)
+            if graphs is not None and graphs.run(row_slots[active], positions[active], first[active] + j):
+                continue
+            if uploaded is None:
+                uploaded = self._upload(row_slots, positions, first)
+            all_slots, all_pos, all_first = uploaded
             if len(active) == len(row_slots):
                 rows = None
                 slots, pos, depths = all_slots, all_pos, all_first + j

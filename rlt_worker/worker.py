@@ -59,7 +59,8 @@ class Worker:
         max_loops = config.max_loops or info.default_loops
         planes = num_planes(info, config.kv_layout, max_loops)
         num_blocks = config.num_blocks or self._auto_num_blocks(info, dtype, device)
-        storage = KVStorage(info, num_blocks, config.block_size, dtype, device)
+        # One block beyond the engine's num_blocks: scratch for the padding rows of graph-captured passes.
+        storage = KVStorage(info, num_blocks + 1, config.block_size, dtype, device)
         runner_config = RunnerConfig(
             kv_layout=config.kv_layout,
             max_loops=max_loops,
@@ -67,6 +68,8 @@ class Worker:
             max_slots=config.max_num_seqs,
             attention_backend=config.attention_backend,
             state_init=config.state_init,
+            scratch_block=num_blocks,
+            cuda_graphs=config.cuda_graphs,
         )
         self.runner = ModelRunner(model, storage, runner_config)
         log.info("worker %d ready on %s: %d KV blocks, %d planes", self.index, device, num_blocks, planes)

@@ -126,24 +126,45 @@ def test_toy_cuda_triton_matches_cpu_reference(
     check_toy_against_reference(model, mode, state_init, monkeypatch, device="cuda", backend="triton")
 
 
-def check_toy_against_reference(
-    model: str, mode: str, state_init: str, monkeypatch: pytest.MonkeyPatch, device: str, backend: str
-) -> None:
-    """Engine (float32 on `device` with `backend`) vs the float64 CPU reference, per SPEC §7a."""
+def _run_toy(
+    model: str, mode: str, state_init: str, device: str, backend: str, **options: object
+) -> tuple[list[list[int]], list[SamplingParams], list, int, dict | None]:
+    """(prompts, params, outputs, D, the runner's graph counters) of the toy workload in float32."""
     llm = LLM(model, workers=0, device=device, dtype="float32", exit_mode=mode, attention_backend=backend,
-              state_init=state_init, num_blocks=512, max_num_seqs=16)
+              state_init=state_init, num_blocks=512, max_num_seqs=16, **options)
     try:
         depth = llm.engine.max_depth
         prompts, params = _toy_workload(depth, mode, 12, seed=zlib.crc32(f"{model}/{mode}".encode()))
         outputs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.engine.executor._worker.runner.graph_stats
     finally:
         llm.close()
+    return prompts, params, outputs, depth, stats
+
+
+def check_toy_against_reference(
+    model: str, mode: str, state_init: str, monkeypatch: pytest.MonkeyPatch, device: str, backend: str,
+    **options: object,
+) -> tuple[list, list[int]]:
+    """Engine (float32 on `device` with `backend`) vs the float64 CPU reference, per SPEC §7a.
+
+    Returns the engine's outputs and, per request, the index of its first small-margin decision.
+    """
+    prompts, params, outputs, depth, _ = _run_toy(model, mode, state_init, device, backend, **options)
+    return outputs, compare_to_reference(model, mode, state_init, prompts, params, outputs, depth, monkeypatch)
+
+
+def compare_to_reference(
+    model: str, mode: str, state_init: str, prompts: list[list[int]], params: list[SamplingParams], outputs: list,
+    depth: int, monkeypatch: pytest.MonkeyPatch,
+) -> list[int]:
     ref_model = load_model(model, dtype=torch.float64, device="cpu")
     config = ReferenceConfig(depth, exit_mode=mode, state_init=state_init)
-    report = []
+    report, smalls = [], []
     for prompt, p, out in zip(prompts, params, outputs, strict=True):
         ref, margins = reference_with_margins(ref_model, prompt, p, config, monkeypatch)
         small = next((i for i, m in enumerate(margins) if m < MARGIN), len(margins))
+        smalls.append(small)
         diverged = next(
             (i for i, (a, b, c, d) in enumerate(zip(out.token_ids, ref.token_ids, out.exit_depths, ref.exit_depths,
                                                      strict=True)) if a != b or c != d),
@@ -158,6 +179,34 @@ def check_toy_against_reference(
             )
     print(f"\n{model} {mode} state_init={state_init}: {len(outputs) - len(report)}/{len(outputs)} fully equal"
           + ("".join(f"\n  {line}" for line in report)))
+    return smalls
+
+
+@pytest.mark.parametrize("model,mode", [("toy-ouro", "trace"), ("toy-ouro", "fixed"), ("toy-huginn", "fixed")])
+def test_toy_graphs_and_multi_loop_match_eager(model: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA-graph passes and multi-loop plans give the eager one-loop-per-plan tokens and exit depths
+    (float32 on CUDA, up to the first small-margin decision; each also against the reference)."""
+    variants = {
+        "eager, 1 loop/plan": dict(cuda_graphs=False, loops_per_plan=1),
+        "graphs, 1 loop/plan": dict(cuda_graphs=True, loops_per_plan=1),
+        "eager, D loops/plan": dict(cuda_graphs=False, loops_per_plan=0),
+        "graphs, D loops/plan": dict(cuda_graphs=True, loops_per_plan=0),
+    }
+    runs = {name: _run_toy(model, mode, "random", "cuda", "triton", **options) for name, options in variants.items()}
+    prompts, params, base, depth, _ = runs["eager, 1 loop/plan"]
+    smalls = compare_to_reference(model, mode, "random", prompts, params, base, depth, monkeypatch)
+    for name, (_, _, outputs, _, stats) in runs.items():
+        if name.startswith("graphs"):
+            assert stats is not None and stats["replays"] > 0 and stats["eager_passes"] == 0, (name, stats)
+            print(f"{model} {mode} {name}: graph counters {stats}")
+        else:
+            assert stats is None
+        for i, (a, b, small) in enumerate(zip(base, outputs, smalls, strict=True)):
+            assert a.token_ids[:small] == b.token_ids[:small], f"{name}, request {i}: {a.token_ids} vs {b.token_ids}"
+            assert a.exit_depths[:small] == b.exit_depths[:small], f"{name}, request {i}"
+        same = sum(a.token_ids == b.token_ids and a.exit_depths == b.exit_depths
+                   for a, b in zip(base, outputs, strict=True))
+        print(f"{model} {mode} {name}: {same}/{len(base)} requests fully equal to eager, 1 loop/plan")
 
 
 # ---------------------------------------------------------------------------- Ouro-1.4B shape, bf16

@@ -269,6 +269,7 @@ class ConfigResult:
     memory: dict[str, Any] = field(default_factory=dict)
     floor: dict[str, Any] | None = None
     error: str | None = None
+    graphs: dict[str, Any] | None = None  # workers=0: the runner's graph counters over the timed runs
 
 
 def _median(runs: list[dict[str, Any]], key: str) -> float | None:
@@ -327,7 +328,10 @@ class Grid:
                     max_num_batched_tokens=a.max_num_batched_tokens or max(2048, max(a.concurrency)),
                     prefill_chunk_size=a.prefill_chunk_size, num_blocks=a.num_blocks,
                     attention_backend=a.attention_backend, gpu_memory_utilization=a.gpu_memory_utilization,
+                    loops_per_plan=a.loops_per_plan,
                 )
+                if a.cuda_graphs is not None:
+                    options["cuda_graphs"] = a.cuda_graphs
                 log(f"== workers={workers} exit={exit_mode}: starting the engine")
                 t0 = time.perf_counter()
                 try:
@@ -369,6 +373,7 @@ class Grid:
             log(f"   warm-up {time.perf_counter() - t0:.1f} s")
         for c in a.concurrency:
             config = ConfigResult(workers, exit_mode, c)
+            graphs_before = _graph_stats(engine)
             budget = self.budget(done)
             deadline = time.perf_counter() + budget
             _reset_peak(a.device, workers)
@@ -391,6 +396,11 @@ class Grid:
                 config.error = f"{type(exc).__name__}: {exc}"
                 log(f"   c={c}: failed: {config.error}")
             config.memory = _cuda_memory(a.device, workers)
+            graphs_after = _graph_stats(engine)
+            if graphs_after is not None:
+                config.graphs = {k: graphs_after[k] - (graphs_before or {}).get(k, 0)
+                                 for k in ("replays", "eager_passes", "captures", "capture_s", "rows", "padded_rows")}
+                log(f"   c={c} graph counters: {config.graphs}")
             pool = _kv_pool_bytes(info, kv.num_blocks, a.block_size, engine.config.dtype)
             config.memory["kv_pool_gib"] = pool / 2**30
             keys = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "loops_per_token",
@@ -438,6 +448,13 @@ class Grid:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(payload, f, indent=1)
         os.replace(tmp, self.args.json)
+
+
+def _graph_stats(engine: Any) -> dict[str, Any] | None:
+    """The in-process runner's graph counters (workers=0 with graphs on), else None."""
+    worker = getattr(engine.executor, "_worker", None)
+    runner = getattr(worker, "runner", None)
+    return None if runner is None else runner.graph_stats
 
 
 def _kv_pool_bytes(info: Any, num_blocks: int, block_size: int, dtype: str) -> int:
@@ -595,6 +612,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill-chunk-size", type=int, default=512)
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode loop passes from CUDA graphs (default: the engine's, on for CUDA + Triton)")
+    p.add_argument("--loops-per-plan", type=int, default=0, help="0 = the engine's default (D on CUDA, 1 on CPU)")
     p.add_argument("--hbm-tbps", type=float, default=HBM_TBPS, help="HBM bandwidth of the floor, TB/s")
     p.add_argument("--json", default=None, help="write the raw numbers here")
     p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
@@ -628,6 +648,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "requests_factor": args.requests_factor, "trace_mean": args.trace_mean, "repeats": args.repeats,
         "max_seconds": args.max_seconds, "total_seconds": args.total_seconds, "block_size": args.block_size,
         "prefill_chunk_size": args.prefill_chunk_size, "attention_backend": resolved.attention_backend,
+        "cuda_graphs": args.cuda_graphs, "loops_per_plan": args.loops_per_plan,
         "sampling": "greedy, ignore_eos",
     }
     log(f"rlt-bench throughput: {args.model} {args.dtype} on {grid.meta.get('gpu', args.device)}, "

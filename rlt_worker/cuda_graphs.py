@@ -1,0 +1,184 @@
+"""Decode loop passes replayed from CUDA graphs, bucketed by row count and block-table width.
+
+An eager loop pass of the Ouro-1.4B shape is ~1,300 kernel launches, so at every batch size its
+host time exceeds its GPU time (docs/benchmarks.md). A captured pass is one graph launch.
+
+What a graph captures: one loop pass of `rows` RecurrentBatch rows (a policy with no signal),
+from the gather of their state and injected input out of the runner's per-slot tensors to the
+scatter of the new state back, the K/V writes and the Triton attention included. Its only
+inputs are three static index vectors (slots, positions, depths) of `rows` entries, written by
+one host→device copy before each replay; every other tensor it touches (per-slot state, block
+tables, the KV pool, weights) lives at a fixed address for the worker's life.
+
+    rows bucket   the next of 1, 2, 4, …, 256 (capped at the slot count) ≥ the pass's rows;
+                  padding rows run on a dummy slot whose block table points at a scratch block
+                  that the engine never allocates, at position 0, loop 1 — they read and write
+                  only that block and the dummy slot's state row
+    width bucket  the block-table columns the attention reads: the next power of two (≥ 4)
+                  ≥ the longest row's blocks, capped at max_model_len / block_size; shorter rows
+                  are masked by their context lengths, so padding never changes a value. The
+                  Triton kernel's split count depends on (rows, width) only, so it is fixed per
+                  graph as well
+
+Graphs are captured lazily, the first time a (rows, width) bucket is needed: two warm-up passes
+on dummy rows only (Triton compilation, cuBLAS workspaces) on a side stream, then the capture,
+which runs nothing; the pass that asked for it then replays it. All graphs share one memory pool
+(they are replayed one at a time and keep no outputs). Passes with more rows than the largest
+bucket, prefill, and passes that return an exit signal run eagerly.
+
+`emulate=True` (CPU tests) runs the same padded, bucketed, static-buffer function eagerly in
+place of a replay: everything but the capture itself is exercised against the float64 oracle.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from rlt_worker.model_runner import ModelRunner
+
+log = logging.getLogger("rlt.worker")
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MIN_WIDTH = 4  # block-table columns of the narrowest width bucket
+
+
+@dataclass
+class GraphStats:
+    """Counters of the decode loop passes (reported by the runner, printed by rlt-bench)."""
+
+    replays: int = 0  # passes run from a graph
+    eager_passes: int = 0  # no-signal decode passes that fit no bucket
+    captures: int = 0
+    capture_s: float = 0.0
+    rows: int = 0  # real rows run from graphs
+    padded_rows: int = 0  # bucket rows beyond them
+    buckets: dict[str, int] = field(default_factory=dict)  # "rows x width" → replays
+    error: str | None = None  # a capture failed: every later pass runs eagerly
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "replays": self.replays, "eager_passes": self.eager_passes, "captures": self.captures,
+            "capture_s": round(self.capture_s, 3), "rows": self.rows, "padded_rows": self.padded_rows,
+            "buckets": dict(self.buckets), "error": self.error,
+        }
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class _EagerReplay:
+    """emulate=True: the captured function, run eagerly at every replay."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.replay = fn
+
+
+class LoopPassGraphs:
+    """Captures and replays the runner's decode loop passes (see the module docstring)."""
+
+    def __init__(self, runner: ModelRunner, dummy_slot: int, scratch_block: int, emulate: bool) -> None:
+        self.runner = runner
+        self.emulate = emulate
+        self.dummy_slot = dummy_slot
+        self.block_size = runner.storage.block_size
+        self.max_width = runner.block_tables.shape[2]
+        largest = min(ROW_BUCKETS[-1], _next_pow2(runner.config.max_slots))
+        self.row_buckets = tuple(b for b in ROW_BUCKETS if b <= largest)
+        device = runner.device
+        # Static inputs, one contiguous [3, rows] buffer per rows bucket: slots, positions, depths.
+        self._index = {b: torch.zeros(3, b, dtype=torch.long, device=device) for b in self.row_buckets}
+        for index in self._index.values():
+            index[0].fill_(dummy_slot)
+            index[2].fill_(1)
+        runner.block_tables[dummy_slot] = scratch_block
+        self._graphs: dict[tuple[int, int], Any] = {}
+        self._pool: Any = None
+        self._stream: torch.cuda.Stream | None = None
+        self.stats = GraphStats()
+
+    def bucket(self, num_rows: int, max_position: int) -> tuple[int, int] | None:
+        """The (rows, width) bucket of a pass, or None when it has more rows than the largest bucket."""
+        rows = next((b for b in self.row_buckets if b >= num_rows), None)
+        if rows is None:
+            return None
+        width = min(self.max_width, max(MIN_WIDTH, _next_pow2(max_position // self.block_size + 1)))
+        return rows, width
+
+    def run(self, slots: np.ndarray, positions: np.ndarray, depths: np.ndarray) -> bool:
+        """One loop pass of these rows from a graph; False (nothing run) when no bucket fits."""
+        n = len(slots)
+        key = self.bucket(n, int(positions.max()))
+        if key is None or self.stats.error is not None:
+            self.stats.eager_passes += 1
+            return False
+        rows, width = key
+        graph = self._graphs.get(key)
+        if graph is None:
+            try:
+                graph = self._capture(rows, width)
+            except Exception as exc:  # keep serving: this and every later pass runs eagerly
+                log.exception("CUDA graph capture of %d rows × %d blocks failed; decode passes run eagerly", rows,
+                              width)
+                self.stats.error = f"{type(exc).__name__}: {exc}"
+                self.stats.eager_passes += 1
+                return False
+            self._graphs[key] = graph
+        host = np.empty((3, rows), dtype=np.int64)
+        host[0, n:], host[1, n:], host[2, n:] = self.dummy_slot, 0, 1
+        host[0, :n], host[1, :n], host[2, :n] = slots, positions, depths
+        source = torch.from_numpy(host)
+        if self.runner.device.type == "cuda":
+            source = source.pin_memory()
+        self._index[rows].copy_(source, non_blocking=True)
+        graph.replay()
+        stats = self.stats
+        stats.replays += 1
+        stats.rows += n
+        stats.padded_rows += rows - n
+        name = f"{rows}x{width}"
+        stats.buckets[name] = stats.buckets.get(name, 0) + 1
+        return True
+
+    def _pass(self, rows: int, width: int) -> None:
+        """The captured function: one loop pass of the bucket's static rows."""
+        runner = self.runner
+        slots, positions, depths = self._index[rows]
+        context = runner._context(slots, positions, depths, width, outer=False)
+        state = runner.model.loop(runner.state[slots], runner.embedded[slots], positions, context)
+        runner.state.index_copy_(0, slots, state)
+
+    def _capture(self, rows: int, width: int) -> Any:
+        fn = functools.partial(self._pass, rows, width)
+        if self.emulate:
+            self.stats.captures += 1
+            return _EagerReplay(fn)
+        t0 = time.perf_counter()
+        index = self._index[rows]
+        index[0].fill_(self.dummy_slot)  # warm-up rows: the dummy slot and the scratch block only
+        index[1].zero_()
+        index[2].fill_(1)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.runner.device)
+            self._pool = torch.cuda.graph_pool_handle()
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(self._stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+            fn()
+        torch.cuda.synchronize(self.runner.device)
+        self.stats.captures += 1
+        self.stats.capture_s += time.perf_counter() - t0
+        return graph

@@ -1,0 +1,96 @@
+"""The GPU fast path's semantics on the CPU, in float64 against the dense reference (SPEC §7a):
+
+- plans that run several loops per row (`loops_per_plan`) give the same tokens and exit depths
+  as one loop per plan, with fewer engine steps;
+- the graph-captured decode pass (rlt_worker.cuda_graphs), run eagerly in its emulation mode:
+  the same padded, bucketed, static-buffer function a CUDA graph replays, equal to the reference.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from factories import DEPTH, MODELS, assert_matches_reference, loop_rows, make_llm, make_workload, run_workload
+
+from rlt_worker.cuda_graphs import LoopPassGraphs
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _jobs(model: str, exit_mode: str) -> list:
+    return make_workload(random.Random(f"fast-{model}-{exit_mode}"), 6, depth=DEPTH[model], exit_mode=exit_mode,
+                         max_prompt_len=12, max_tokens=6, spread=1)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("exit_mode", ["fixed", "trace"])
+def test_multi_loop_plans_match_single_loop(model: str, exit_mode: str) -> None:
+    jobs = _jobs(model, exit_mode)
+    runs = {}
+    for loops_per_plan in (1, DEPTH[model]):
+        with make_llm(model, exit_mode=exit_mode, loops_per_plan=loops_per_plan, max_num_seqs=4) as llm:
+            assert llm.engine.scheduler.config.loops_per_plan == loops_per_plan
+            run = run_workload(llm, jobs)
+            assert_matches_reference(run, model, kv_layout="last_exited", exit_mode=exit_mode)
+            run.assert_resources_returned()
+            runs[loops_per_plan] = run
+    single, multi = runs[1], runs[DEPTH[model]]
+    for a, b in zip(single.lives, multi.lives, strict=True):
+        assert (a.final.token_ids, a.final.exit_depths) == (b.final.token_ids, b.final.exit_depths)
+    assert max(r.num_loops for p in single.plans for r in loop_rows(p)) == 1
+    assert max(r.num_loops for p in multi.plans for r in loop_rows(p)) == DEPTH[model]
+    # Rows of different loop counts share a plan (each leaves the runner's pass when its count ends).
+    if exit_mode == "trace":
+        assert any(len({r.num_loops for r in loop_rows(p)}) >= 2 for p in multi.plans)
+    assert len(multi.plans) < len(single.plans)
+
+
+def test_loops_per_plan_defaults() -> None:
+    from rlt_engine.config import EngineConfig
+
+    assert EngineConfig(device="cpu").resolved().loops_per_plan == 1
+    assert EngineConfig(device="cpu").resolved().cuda_graphs is False
+    assert EngineConfig(device="cuda", attention_backend="torch").resolved().cuda_graphs is False
+    assert EngineConfig(device="cuda").resolved().cuda_graphs is True
+    assert EngineConfig(device="cuda").resolved().loops_per_plan == 0  # D, once the workers report it
+    with pytest.raises(ValueError, match="loops_per_plan"):
+        EngineConfig(loops_per_plan=-1)
+    with make_llm("toy-ouro", exit_mode="ouro", loops_per_plan=4) as llm:  # a signal: one loop per plan
+        run = run_workload(llm, _jobs("toy-ouro", "ouro"))
+        assert max(r.num_loops for p in run.plans for r in loop_rows(p)) == 1
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("loops_per_plan", [1, 0])
+def test_emulated_pass_graphs_match_reference(model: str, loops_per_plan: int) -> None:
+    exit_mode = "trace"
+    with make_llm(model, exit_mode=exit_mode, loops_per_plan=loops_per_plan or DEPTH[model], max_num_seqs=6) as llm:
+        runner = llm.engine.executor._worker.runner
+        runner.use_pass_graphs(emulate=True)
+        run = run_workload(llm, _jobs(model, exit_mode))
+        assert_matches_reference(run, model, kv_layout="last_exited", exit_mode=exit_mode)
+        run.assert_resources_returned()
+        stats = runner.graph_stats
+    assert stats["replays"] > 0 and stats["eager_passes"] == 0
+    assert stats["padded_rows"] > 0  # row buckets were padded (3, 5, 6 rows → 4, 8, 8)
+    widths = {int(name.split("x")[1]) for name in stats["buckets"]}
+    assert widths <= {4, 8, 16, 32}
+
+
+def test_pass_graph_buckets() -> None:
+    class Runner:  # what LoopPassGraphs reads of a runner
+        import torch
+
+        device = torch.device("cpu")
+        block_tables = torch.zeros(9, 4, 32, dtype=torch.int32)
+        storage = type("S", (), {"block_size": 16})()
+        config = type("C", (), {"max_slots": 8})()
+
+    graphs = LoopPassGraphs(Runner(), dummy_slot=8, scratch_block=99, emulate=True)
+    assert graphs.row_buckets == (1, 2, 4, 8)
+    assert graphs.bucket(3, 0) == (4, 4)
+    assert graphs.bucket(8, 16 * 5) == (8, 8)  # 6 blocks → 8
+    assert graphs.bucket(1, 16 * 31 + 3) == (1, 32)  # capped at the table width
+    assert graphs.bucket(9, 0) is None
+    assert int(Runner.block_tables[8].unique()) == 99
