@@ -440,6 +440,10 @@ class HealthReport(msgspec.Struct, tag=True, kw_only=True):
     workers: list[WorkerHealth] = []
     waiting: int = 0
     running: int = 0
+    num_preemptions: int = 0  # since start, cumulative
+    num_replays: int = 0  # requests re-admitted after a worker died, since start
+    num_worker_restarts: int = 0  # replacement workers started (restart_workers), since start
+    draining: bool = False  # a stop was requested: new requests are refused
 
 
 WorkerInbound = WorkerHello | ExecutionPlan | Heartbeat | Shutdown

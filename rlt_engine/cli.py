@@ -13,8 +13,12 @@ import shutil
 import signal
 import sys
 import tempfile
+from typing import TYPE_CHECKING
 
 from rlt_engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from rlt_engine.http_api.process import HttpProcess
 
 log = logging.getLogger("rlt.serve")
 
@@ -53,6 +57,10 @@ def serve_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-pending", type=int, default=1024,
                         help="live requests admitted at once; beyond it requests get an `overload` error")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--http-port", type=int, default=None,
+                        help="also serve the OpenAI-compatible HTTP API and /metrics on this port (0: any free port)")
+    parser.add_argument("--http-host", default="127.0.0.1",
+                        help="the HTTP API's address (default loopback; 0.0.0.0 to serve other hosts)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr, force=True,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -63,13 +71,17 @@ def serve_main(argv: list[str] | None = None) -> int:
     from rlt_engine.engine import LLMEngine
     from rlt_engine.errors import WorkerStartupError
     from rlt_engine.frontend import AddressInUseError, Frontend, prepare_ipc_path
+    from rlt_engine.http_api.process import HttpBindError
 
     private_dir = tempfile.mkdtemp(prefix="rlt-serve-") if args.ipc is None else None
     path = os.path.join(private_dir, "rlt.sock") if private_dir else os.path.abspath(args.ipc)
     address = f"ipc://{path}"
+    http = None
     try:
         prepare_ipc_path(path)  # fail before paying for worker start-up
         frontend = None
+        if args.http_port is not None:  # bound now: a port in use fails before worker start-up
+            http = _start_http(args, address, config.model)
 
         def on_signal(signum: int, frame: object) -> None:
             if frontend is None:
@@ -85,10 +97,14 @@ def serve_main(argv: list[str] | None = None) -> int:
         try:
             frontend = Frontend(engine, address, max_pending=args.max_pending)
             print(f"rlt-serve listening on {address}", flush=True)
+            if http is not None:
+                print(f"rlt-serve http on {http.url}", flush=True)
             print(f"rlt-serve ready on {address} (model {config.model}, {config.workers} worker(s), "
                   f"{config.device}, {config.dtype})", flush=True)
-            code = frontend.serve()
+            code = frontend.serve(on_tick=http.check if http is not None else None)
         finally:
+            if http is not None:
+                http.stop()  # after the drain: its responses are complete
             engine.close()
             if frontend is not None:
                 frontend.close()
@@ -97,14 +113,25 @@ def serve_main(argv: list[str] | None = None) -> int:
     except _Stopped as exc:
         log.warning("%s before the engine was ready: stopped", exc)
         return 0
-    except (AddressInUseError, ValueError, WorkerStartupError) as exc:
+    except (AddressInUseError, HttpBindError, ValueError, WorkerStartupError) as exc:
         print(f"rlt-serve: {exc}", file=sys.stderr)
         return 1
     finally:
+        if http is not None:
+            http.stop()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         if private_dir:
             shutil.rmtree(private_dir, ignore_errors=True)
+
+
+def _start_http(args: argparse.Namespace, address: str, model: str) -> HttpProcess:
+    """Bind the HTTP socket and start the HTTP server process (an IPC client of this server)."""
+    from rlt_engine.http_api.process import HttpProcess
+
+    http = HttpProcess(args.http_host, args.http_port, address, model, args.log_level)
+    log.info("HTTP API on %s", http.url)
+    return http.start()
 
 
 def generate_main(argv: list[str] | None = None) -> int:

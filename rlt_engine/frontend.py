@@ -275,6 +275,7 @@ class Frontend:
         elif isinstance(message, HealthRequest):
             report = self.engine.health()
             report.nonce = message.nonce
+            report.draining = self.draining
             self._send(identity, report)
 
     def _bad_frame(self, identity: bytes, reason: str, request_id: str | None) -> None:
