@@ -35,6 +35,7 @@ from rlt_engine import LLM, EngineConfig, SamplingParams
 from rlt_engine.errors import WorkerStartupError
 from rlt_engine.executor import WorkerLost
 from rlt_engine.executor.multiproc import MultiprocExecutor, RemoteWorker
+from rlt_engine.executor.processes import remove_stale_dirs
 
 log = logging.getLogger("test_multiproc")
 
@@ -245,16 +246,24 @@ _ENGINE_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _start_engine() -> tuple[subprocess.Popen, list[int]]:
-    engine = subprocess.Popen([sys.executable, "-c", _ENGINE_SCRIPT], stdout=subprocess.PIPE, text=True)
+def _start_engine(tmpdir: Path) -> tuple[subprocess.Popen, list[int]]:
+    env = dict(os.environ, TMPDIR=str(tmpdir))
+    engine = subprocess.Popen([sys.executable, "-c", _ENGINE_SCRIPT], stdout=subprocess.PIPE, text=True, env=env)
     line = engine.stdout.readline()
     assert line, "the engine subprocess died before reporting its workers"
     return engine, json.loads(line)
 
 
+def _assert_next_start_removes_stale_dir(root: Path) -> None:
+    """A killed engine leaves its private directory; the next executor start removes it."""
+    assert [p.name for p in root.glob("rlt-*")], "the killed engine left no directory to clean"
+    remove_stale_dirs(str(root))
+    assert not list(root.glob("rlt-*"))
+
+
 @pytest.mark.timeout(90)
-def test_workers_exit_when_the_engine_is_killed() -> None:
-    engine, pids = _start_engine()
+def test_workers_exit_when_the_engine_is_killed(isolated: Path) -> None:
+    engine, pids = _start_engine(isolated)
     try:
         assert len(pids) == 2 and not any(_is_gone(p) for p in pids)
         engine.send_signal(signal.SIGKILL)
@@ -265,11 +274,12 @@ def test_workers_exit_when_the_engine_is_killed() -> None:
         engine.kill()
         engine.wait()
         _kill_pids(pids)
+    _assert_next_start_removes_stale_dir(isolated)
 
 
 @pytest.mark.timeout(90)
-def test_workers_exit_when_the_engine_is_stopped() -> None:
-    engine, pids = _start_engine()
+def test_workers_exit_when_the_engine_is_stopped(isolated: Path) -> None:
+    engine, pids = _start_engine(isolated)
     try:
         time.sleep(3.5)  # idle but alive: the heartbeat thread keeps its workers
         assert not any(_is_gone(p) for p in pids), "workers left an idle engine"
@@ -283,6 +293,7 @@ def test_workers_exit_when_the_engine_is_stopped() -> None:
         engine.kill()
         engine.wait()
         _kill_pids(pids)
+    _assert_next_start_removes_stale_dir(isolated)
 
 
 # ---------------------------------------------------------------------------------- resources
@@ -297,7 +308,7 @@ def test_start_close_cycles_leak_nothing(isolated: Path) -> None:
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
         llm.close()
         samples.append((me.num_fds(), me.num_threads(), len(me.children(recursive=True)),
-                        len(_socket_files(isolated)), len(list(isolated.iterdir()))))
+                        len(_socket_files(isolated)), len(list(isolated.glob("rlt-*")))))
     log.info("fds, threads, children, socket files, dirs after each cycle: %s", samples)
     baseline = samples[1]
     for cycle, sample in enumerate(samples[2:], start=3):

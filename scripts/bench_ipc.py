@@ -1,0 +1,286 @@
+"""rlt-bench ipc: what one engine step pays for the process boundary (SPEC §6).
+
+For N rows (default 1, 64, 256), the median (and p90) over many steps of:
+
+    compute    Worker.execute(plan), called directly: no codec, no IPC
+    workers=0  InprocExecutor.submit + collect: compute + encode/decode of the plan and the result
+    workers=1  MultiprocExecutor.submit + collect: the same + a round trip to a worker process over ipc://
+    floor      a raw pyzmq PAIR ping-pong over ipc:// between two processes, carrying the plan's
+               bytes one way and the result's bytes back (blocking send/recv, no decoding)
+
+The plan is one RecurrentBatch of N rows: loop 1 at position 0 of N open slots of toy-ouro
+(hidden 64, float32, CPU). The model is real but tiny, and `compute` is reported so that
+`workers=1 − compute` is the boundary's cost and `workers=1 − workers=0` the IPC's share of it.
+N = 0 is an empty plan (no slot ops, no batches): a runner that does no math at all, i.e. the
+fixed cost of one step through each path.
+
+    python scripts/bench_ipc.py [--rows 0,1,64,256] [--steps 300] [--warmup 50] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from functools import partial
+
+import zmq
+
+from protocol import config_hash, engine_worker_codec, worker_side_codec
+from protocol.columns import I32, I64, U64, pack
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    Admit,
+    BlockAppends,
+    ExecutionPlan,
+    PrefillBatch,
+    RecurrentBatch,
+    Signal,
+    SlotKeys,
+    StepResult,
+    WorkerHello,
+)
+from rlt_engine.config import EngineConfig
+from rlt_engine.executor.inproc import InprocExecutor
+from rlt_engine.executor.multiproc import MultiprocExecutor
+
+MAX_ROWS = 256
+BLOCK = 25  # steps one way runs before the next takes its turn
+
+_ECHO_SERVER = """
+import sys, zmq
+ctx = zmq.Context(); sock = ctx.socket(zmq.PAIR); sock.connect(sys.argv[1])
+reply, polled = bytes(int(sys.argv[2])), sys.argv[3] == "poll"
+poller = zmq.Poller(); poller.register(sock, zmq.POLLIN)
+while True:
+    if polled and not poller.poll(1000):
+        continue
+    frame = sock.recv()
+    if frame == b"stop":
+        break
+    sock.send(reply)
+sock.close(0); ctx.term()
+"""
+
+
+def _config() -> EngineConfig:
+    # Distinct blocks for every slot's planes (256 slots × 4 planes), so nothing aliases.
+    return EngineConfig(
+        model="toy-ouro", workers=1, device="cpu", dtype="float32", max_num_seqs=MAX_ROWS,
+        max_num_batched_tokens=2048, num_blocks=MAX_ROWS * 8,
+    ).resolved()
+
+
+def setup_plan(rows: int, num_planes: int, step_id: int = 1) -> ExecutionPlan:
+    """Open `rows` slots (keys 1…rows), one block per plane each, and prefill one token each."""
+    keys = list(range(1, rows + 1))
+    return ExecutionPlan(
+        step_id=step_id,
+        admits=[Admit(k, 1) for k in keys],
+        block_appends=BlockAppends(
+            keys=pack(keys, I64), generations=pack([1] * rows, I64), num_new=pack([1] * rows, I32),
+            block_ids=pack(range(rows * num_planes), I32),
+        ),
+        batches=[PrefillBatch(
+            keys=pack(keys, I64), generations=pack([1] * rows, I64), start_positions=pack([0] * rows, I32),
+            query_lens=pack([1] * rows, I32), seeds=pack([0] * rows, U64), token_ids=pack([65] * rows, I32),
+        )],
+    )
+
+
+def step_plan(rows: int, step_id: int) -> ExecutionPlan:
+    """Loop 1 at position 0 of every open slot, with the Ouro gate signal (0 rows: an empty plan)."""
+    if rows == 0:
+        return ExecutionPlan(step_id=step_id)
+    keys = list(range(1, rows + 1))
+    return ExecutionPlan(step_id=step_id, batches=[RecurrentBatch(
+        keys=pack(keys, I64), generations=pack([1] * rows, I64), positions=pack([0] * rows, I32),
+        first_depths=pack([1] * rows, I32), num_loops=pack([1] * rows, I32), signal=Signal.GATE,
+    )])
+
+
+class DirectWorker:
+    """The Worker called in-process with no codec at all, behind the executor's submit/collect."""
+
+    def __init__(self, worker_config) -> None:
+        from rlt_worker.worker import Worker
+
+        self._worker = Worker(WorkerHello(protocol_version=PROTOCOL_VERSION, worker_index=0, config=worker_config,
+                                          config_hash=config_hash(worker_config)))
+        self._done: list = []
+
+    def start(self) -> list:
+        return [self._worker.start()]
+
+    def submit(self, worker: int, plan: ExecutionPlan) -> None:
+        self._done.append((0, self._worker.execute(plan)))
+
+    def collect(self, timeout: float | None = None) -> list:
+        done, self._done = self._done, []
+        return done
+
+    def shutdown(self) -> None:
+        self._worker.close()
+
+
+def _one(executor, plan: ExecutionPlan) -> StepResult:
+    executor.submit(0, plan)
+    ((_, result),) = executor.collect(timeout=None)
+    assert not result.error, result.error
+    return result
+
+
+def _open_slots(executor, rows: int, num_planes: int) -> None:
+    if rows:
+        _one(executor, setup_plan(rows, num_planes))
+
+
+def _close_slots(executor, rows: int) -> None:
+    if not rows:
+        return
+    keys = pack(range(1, rows + 1), I64)
+    _one(executor, ExecutionPlan(step_id=10**6, releases=SlotKeys(keys=keys, generations=pack([1] * rows, I64))))
+
+
+class PingPong:
+    """A raw pyzmq PAIR round trip over ipc:// to an echo process: plan bytes out, result bytes back.
+
+    `polled`: both ends wait in zmq.Poller before recv, as the executor and the worker do
+    (they must: a death or a heartbeat has to wake the same wait), instead of a blocking recv.
+    """
+
+    def __init__(self, plan_bytes: int, result_bytes: int, polled: bool = False) -> None:
+        self._directory = tempfile.mkdtemp(prefix="rlt-bench-")
+        address = f"ipc://{self._directory}/pingpong.sock"
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.PAIR)
+        self._sock.linger = 0
+        self._sock.bind(address)
+        self._server = subprocess.Popen(
+            [sys.executable, "-c", _ECHO_SERVER, address, str(result_bytes), "poll" if polled else "block"]
+        )
+        self._payload = bytes(plan_bytes)
+        self._poller = zmq.Poller() if polled else None
+        if self._poller is not None:
+            self._poller.register(self._sock, zmq.POLLIN)
+
+    def step(self, plan: ExecutionPlan | None = None) -> None:
+        """One round trip (the plan only names the step; its bytes are stand-ins of the same size)."""
+        self._sock.send(self._payload)
+        if self._poller is not None:
+            self._poller.poll()
+        self._sock.recv()
+
+    def close(self) -> None:
+        self._sock.send(b"stop")
+        self._server.wait(timeout=10)
+        self._sock.close()
+        self._ctx.term()
+        shutil.rmtree(self._directory, ignore_errors=True)
+
+
+def _frame_sizes(direct: DirectWorker, rows: int, num_planes: int) -> tuple[int, int]:
+    """Bytes of one step's plan frame and of its result frame, as the codecs put them on the wire."""
+    _open_slots(direct, rows, num_planes)
+    plan = step_plan(rows, 2)
+    result = _one(direct, plan)
+    _close_slots(direct, rows)
+    return len(engine_worker_codec().encode(plan)), len(worker_side_codec().encode(result))
+
+
+def _stats(times: list[float]) -> dict[str, float]:
+    ordered = sorted(times)
+    return {"median_us": statistics.median(ordered) * 1e6, "p90_us": ordered[int(0.9 * (len(ordered) - 1))] * 1e6}
+
+
+def run(rows_list: Sequence[int], steps: int, warmup: int) -> list[dict]:
+    """Every measurement for every row count; one dict per row count.
+
+    The four ways take turns in blocks of BLOCK steps, so a load spike from another process
+    hits all of them alike, while one way's idle-spinning OpenMP threads rarely overlap another's.
+    """
+    worker_config = _config().worker_config("cpu")
+    direct = DirectWorker(worker_config)
+    num_planes = direct.start()[0].num_planes
+    inproc = InprocExecutor(worker_config)
+    inproc.start()
+    multi = MultiprocExecutor(_config())
+    multi.start()
+    executors = {"compute": direct, "workers0": inproc, "workers1": multi}
+    results = []
+    try:
+        for rows in rows_list:
+            plan_bytes, result_bytes = _frame_sizes(direct, rows, num_planes)
+            floors = {"floor": PingPong(plan_bytes, result_bytes),
+                      "floor_poll": PingPong(plan_bytes, result_bytes, polled=True)}
+            for executor in executors.values():
+                _open_slots(executor, rows, num_planes)
+            runners = {name: partial(_one, executor) for name, executor in executors.items()}
+            runners |= {name: floor.step for name, floor in floors.items()}
+            times: dict[str, list[float]] = {name: [] for name in runners}
+            for block in range(0, warmup + steps, BLOCK):
+                for name, run_step in runners.items():
+                    for i in range(block, min(block + BLOCK, warmup + steps)):
+                        plan = step_plan(rows, 2 + i)
+                        start = time.perf_counter()
+                        run_step(plan)
+                        elapsed = time.perf_counter() - start
+                        if i >= warmup:
+                            times[name].append(elapsed)
+            for floor in floors.values():
+                floor.close()
+            for executor in executors.values():
+                _close_slots(executor, rows)
+            entry = {"rows": rows, "plan_bytes": plan_bytes, "result_bytes": result_bytes}
+            entry |= {name: _stats(values[warmup:]) for name, values in times.items()}
+            results.append(entry)
+            print(_row_text(entry), flush=True)
+    finally:
+        multi.shutdown()
+        inproc.shutdown()
+        direct.shutdown()
+    return results
+
+
+COLUMNS = ("compute", "workers0", "workers1", "floor", "floor_poll")
+HEADER = (
+    "| rows | plan B | result B | compute µs | workers=0 µs | workers=1 µs | floor µs | polled floor µs | "
+    "w1 − w0 µs |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+)
+
+
+def _row_text(e: dict) -> str:
+    med = {k: e[k]["median_us"] for k in COLUMNS}
+    cells = [e["rows"], e["plan_bytes"], e["result_bytes"], *(f"{med[k]:.0f}" for k in COLUMNS)]
+    return "| " + " | ".join(map(str, cells)) + f" | {med['workers1'] - med['workers0']:.0f} |"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`rlt-bench ipc`: print a markdown table (medians) and optionally write every figure as JSON."""
+    parser = argparse.ArgumentParser(prog="rlt-bench ipc", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="0,1,64,256", help="comma-separated row counts (0 = an empty plan)")
+    parser.add_argument("--steps", type=int, default=300, help="timed steps per measurement")
+    parser.add_argument("--warmup", type=int, default=50, help="untimed steps first")
+    parser.add_argument("--json", default=None, help="write every figure (median and p90) here")
+    args = parser.parse_args(argv)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    if any(not 0 <= r <= MAX_ROWS for r in rows_list):
+        parser.error(f"rows must be in 0 … {MAX_ROWS}")
+    print(f"median of {args.steps} steps after {args.warmup} warm-up, toy-ouro float32 on "
+          f"{len(os.sched_getaffinity(0))} CPU cores\n{HEADER}", flush=True)
+    results = run(rows_list, args.steps, args.warmup)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
