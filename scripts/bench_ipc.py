@@ -31,6 +31,7 @@ import time
 from collections.abc import Sequence
 from functools import partial
 
+import msgspec
 import zmq
 
 from protocol import config_hash, engine_worker_codec, worker_side_codec
@@ -55,14 +56,18 @@ MAX_ROWS = 256
 BLOCK = 25  # steps one way runs before the next takes its turn
 
 _ECHO_SERVER = """
-import sys, zmq
+import os, sys, zmq
 ctx = zmq.Context(); sock = ctx.socket(zmq.PAIR); sock.connect(sys.argv[1])
-reply, polled = bytes(int(sys.argv[2])), sys.argv[3] == "poll"
+reply, polled, parent = bytes(int(sys.argv[2])), sys.argv[3] == "poll", os.getppid()
+sock.rcvtimeo = 1000  # wake once a second to notice a dead parent
 poller = zmq.Poller(); poller.register(sock, zmq.POLLIN)
-while True:
+while os.getppid() == parent:
     if polled and not poller.poll(1000):
         continue
-    frame = sock.recv()
+    try:
+        frame = sock.recv()
+    except zmq.Again:
+        continue
     if frame == b"stop":
         break
     sock.send(reply)
@@ -200,18 +205,18 @@ def _stats(times: list[float]) -> dict[str, float]:
     return {"median_us": statistics.median(ordered) * 1e6, "p90_us": ordered[int(0.9 * (len(ordered) - 1))] * 1e6}
 
 
-def run(rows_list: Sequence[int], steps: int, warmup: int) -> list[dict]:
+def run(rows_list: Sequence[int], steps: int, warmup: int, threads: int = 1) -> list[dict]:
     """Every measurement for every row count; one dict per row count.
 
     The four ways take turns in blocks of BLOCK steps, so a load spike from another process
     hits all of them alike, while one way's idle-spinning OpenMP threads rarely overlap another's.
     """
-    worker_config = _config().worker_config("cpu")
+    worker_config = msgspec.structs.replace(_config().worker_config("cpu"), num_threads=threads)
     direct = DirectWorker(worker_config)
     num_planes = direct.start()[0].num_planes
     inproc = InprocExecutor(worker_config)
     inproc.start()
-    multi = MultiprocExecutor(_config())
+    multi = MultiprocExecutor(_config(), num_threads=threads)
     multi.start()
     executors = {"compute": direct, "workers0": inproc, "workers1": multi}
     results = []
@@ -268,14 +273,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rows", default="0,1,64,256", help="comma-separated row counts (0 = an empty plan)")
     parser.add_argument("--steps", type=int, default=300, help="timed steps per measurement")
     parser.add_argument("--warmup", type=int, default=50, help="untimed steps first")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads, in-process and in the worker (1 keeps OpenMP barriers of a shared "
+                             "machine out of the figures)")
     parser.add_argument("--json", default=None, help="write every figure (median and p90) here")
     args = parser.parse_args(argv)
     rows_list = [int(r) for r in args.rows.split(",")]
     if any(not 0 <= r <= MAX_ROWS for r in rows_list):
         parser.error(f"rows must be in 0 … {MAX_ROWS}")
-    print(f"median of {args.steps} steps after {args.warmup} warm-up, toy-ouro float32 on "
-          f"{len(os.sched_getaffinity(0))} CPU cores\n{HEADER}", flush=True)
-    results = run(rows_list, args.steps, args.warmup)
+    print(f"median of {args.steps} steps after {args.warmup} warm-up, toy-ouro float32, {args.threads} torch "
+          f"thread(s), {len(os.sched_getaffinity(0))} CPU cores\n{HEADER}", flush=True)
+    results = run(rows_list, args.steps, args.warmup, args.threads)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -77,6 +77,7 @@ class MultiprocExecutor(Executor):
         remote: RemoteWorker | None = None,
         startup_timeout: float = STARTUP_TIMEOUT_S,
         heartbeat_interval: float = HEARTBEAT_INTERVAL_S,
+        num_threads: int | None = None,  # torch threads of each local CPU worker; None: cores // local workers
     ) -> None:
         self.config = config = config.resolved()
         if config.workers < 1:
@@ -86,6 +87,7 @@ class MultiprocExecutor(Executor):
         self._num_local = config.workers - (remote is not None)
         self._startup_timeout = startup_timeout
         self._heartbeat_interval = heartbeat_interval
+        self._num_threads = num_threads
         self._configs = [self._worker_config(i) for i in range(config.workers)]
         self._handles: list[WorkerHandle | None] = [None] * config.workers
         self._all_handles: list[WorkerHandle] = []
@@ -108,8 +110,10 @@ class MultiprocExecutor(Executor):
         is_local = index < self._num_local
         if device.startswith("cuda"):
             device = "cuda"  # a local worker sees one GPU, through CUDA_VISIBLE_DEVICES
-        # CPU workers split the cores so that N workers do not oversubscribe them N-fold.
-        threads = max(1, len(os.sched_getaffinity(0)) // max(1, self._num_local)) if device == "cpu" and is_local else 0
+        threads = 0  # torch's default
+        if device == "cpu" and is_local:
+            # CPU workers split the cores so that N workers do not oversubscribe them N-fold.
+            threads = self._num_threads or max(1, len(os.sched_getaffinity(0)) // max(1, self._num_local))
         return msgspec.structs.replace(self.config.worker_config(device), num_threads=threads)
 
     def _hello(self, index: int) -> WorkerHello:
