@@ -1,20 +1,21 @@
 """rlt-bench ipc: what one engine step pays for the process boundary (SPEC §6).
 
-For N rows (default 1, 64, 256), the median (and p90) over many steps of:
+For N rows (default 0, 1, 64, 256), the median (and p90) over many steps of:
 
-    compute    Worker.execute(plan), called directly: no codec, no IPC
-    workers=0  InprocExecutor.submit + collect: compute + encode/decode of the plan and the result
-    workers=1  MultiprocExecutor.submit + collect: the same + a round trip to a worker process over ipc://
-    floor      a raw pyzmq PAIR ping-pong over ipc:// between two processes, carrying the plan's
-               bytes one way and the result's bytes back (blocking send/recv, no decoding)
+    compute      Worker.execute(plan), called directly: no codec, no IPC
+    workers=0    InprocExecutor.submit + collect: compute + encode/decode of the plan and the result
+    workers=1    MultiprocExecutor.submit + collect: the same + a round trip to a worker process over ipc://
+    floor        a raw pyzmq PAIR ping-pong over ipc:// between two processes, the plan's bytes one
+                 way and the result's bytes back (blocking recv, no decoding); the echo process
+                 busy-waits the median compute time before answering, and that time is subtracted
+    polled floor the same with both ends waiting in zmq.Poller, as the executor and the worker must
 
 The plan is one RecurrentBatch of N rows: loop 1 at position 0 of N open slots of toy-ouro
-(hidden 64, float32, CPU). The model is real but tiny, and `compute` is reported so that
-`workers=1 − compute` is the boundary's cost and `workers=1 − workers=0` the IPC's share of it.
-N = 0 is an empty plan (no slot ops, no batches): a runner that does no math at all, i.e. the
-fixed cost of one step through each path.
+(hidden 64, float32, CPU, one torch thread by default). The model is real but tiny, so
+`workers=1 − workers=0` is the IPC's cost, to be read beside the floors. N = 0 is an empty plan
+(no slot ops, no batches): a runner that does no math at all, the fixed cost of one step.
 
-    python scripts/bench_ipc.py [--rows 0,1,64,256] [--steps 300] [--warmup 50] [--json FILE]
+    python scripts/bench_ipc.py [--rows 0,1,64,256] [--steps 300] [--warmup 50] [--threads 1] [--json FILE]
 """
 
 from __future__ import annotations
@@ -56,9 +57,10 @@ MAX_ROWS = 256
 BLOCK = 25  # steps one way runs before the next takes its turn
 
 _ECHO_SERVER = """
-import os, sys, zmq
+import os, sys, time, zmq
 ctx = zmq.Context(); sock = ctx.socket(zmq.PAIR); sock.connect(sys.argv[1])
 reply, polled, parent = bytes(int(sys.argv[2])), sys.argv[3] == "poll", os.getppid()
+work_s = float(sys.argv[4])  # busy for as long as the worker computes, then answer
 sock.rcvtimeo = 1000  # wake once a second to notice a dead parent
 poller = zmq.Poller(); poller.register(sock, zmq.POLLIN)
 while os.getppid() == parent:
@@ -70,6 +72,9 @@ while os.getppid() == parent:
         continue
     if frame == b"stop":
         break
+    end = time.perf_counter() + work_s
+    while time.perf_counter() < end:
+        pass
     sock.send(reply)
 sock.close(0); ctx.term()
 """
@@ -159,9 +164,11 @@ class PingPong:
 
     `polled`: both ends wait in zmq.Poller before recv, as the executor and the worker do
     (they must: a death or a heartbeat has to wake the same wait), instead of a blocking recv.
+    `work_s`: the echo process busy-waits this long before answering, as a worker computes,
+    so that the floor pays the same wake-up of a caller that has been idle that long.
     """
 
-    def __init__(self, plan_bytes: int, result_bytes: int, polled: bool = False) -> None:
+    def __init__(self, plan_bytes: int, result_bytes: int, polled: bool = False, work_s: float = 0.0) -> None:
         self._directory = tempfile.mkdtemp(prefix="rlt-bench-")
         address = f"ipc://{self._directory}/pingpong.sock"
         self._ctx = zmq.Context()
@@ -169,7 +176,8 @@ class PingPong:
         self._sock.linger = 0
         self._sock.bind(address)
         self._server = subprocess.Popen(
-            [sys.executable, "-c", _ECHO_SERVER, address, str(result_bytes), "poll" if polled else "block"]
+            [sys.executable, "-c", _ECHO_SERVER, address, str(result_bytes), "poll" if polled else "block",
+             str(work_s)]
         )
         self._payload = bytes(plan_bytes)
         self._poller = zmq.Poller() if polled else None
@@ -205,6 +213,16 @@ def _stats(times: list[float]) -> dict[str, float]:
     return {"median_us": statistics.median(ordered) * 1e6, "p90_us": ordered[int(0.9 * (len(ordered) - 1))] * 1e6}
 
 
+def _median_compute(direct: DirectWorker, rows: int, samples: int = 30) -> float:
+    """The direct worker's median step time, which the floors' echo process then spends busy."""
+    times = []
+    for i in range(samples):
+        start = time.perf_counter()
+        _one(direct, step_plan(rows, 10**5 + i))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def run(rows_list: Sequence[int], steps: int, warmup: int, threads: int = 1) -> list[dict]:
     """Every measurement for every row count; one dict per row count.
 
@@ -223,10 +241,11 @@ def run(rows_list: Sequence[int], steps: int, warmup: int, threads: int = 1) -> 
     try:
         for rows in rows_list:
             plan_bytes, result_bytes = _frame_sizes(direct, rows, num_planes)
-            floors = {"floor": PingPong(plan_bytes, result_bytes),
-                      "floor_poll": PingPong(plan_bytes, result_bytes, polled=True)}
             for executor in executors.values():
                 _open_slots(executor, rows, num_planes)
+            work_s = _median_compute(direct, rows)
+            floors = {"floor": PingPong(plan_bytes, result_bytes, work_s=work_s),
+                      "floor_poll": PingPong(plan_bytes, result_bytes, polled=True, work_s=work_s)}
             runners = {name: partial(_one, executor) for name, executor in executors.items()}
             runners |= {name: floor.step for name, floor in floors.items()}
             times: dict[str, list[float]] = {name: [] for name in runners}
@@ -243,8 +262,9 @@ def run(rows_list: Sequence[int], steps: int, warmup: int, threads: int = 1) -> 
                 floor.close()
             for executor in executors.values():
                 _close_slots(executor, rows)
-            entry = {"rows": rows, "plan_bytes": plan_bytes, "result_bytes": result_bytes}
-            entry |= {name: _stats(values[warmup:]) for name, values in times.items()}
+            entry = {"rows": rows, "plan_bytes": plan_bytes, "result_bytes": result_bytes,
+                     "floor_work_us": work_s * 1e6}
+            entry |= {name: _stats(values) for name, values in times.items()}
             results.append(entry)
             print(_row_text(entry), flush=True)
     finally:
@@ -254,17 +274,19 @@ def run(rows_list: Sequence[int], steps: int, warmup: int, threads: int = 1) -> 
     return results
 
 
-COLUMNS = ("compute", "workers0", "workers1", "floor", "floor_poll")
+COLUMNS = ("compute", "workers0", "workers1")
 HEADER = (
-    "| rows | plan B | result B | compute µs | workers=0 µs | workers=1 µs | floor µs | polled floor µs | "
-    "w1 − w0 µs |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "| rows | plan B | result B | compute µs | workers=0 µs | workers=1 µs | w1 − w0 µs | floor − work µs | "
+    "polled floor − work µs |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
 def _row_text(e: dict) -> str:
-    med = {k: e[k]["median_us"] for k in COLUMNS}
+    med = {k: e[k]["median_us"] for k in (*COLUMNS, "floor", "floor_poll")}
     cells = [e["rows"], e["plan_bytes"], e["result_bytes"], *(f"{med[k]:.0f}" for k in COLUMNS)]
-    return "| " + " | ".join(map(str, cells)) + f" | {med['workers1'] - med['workers0']:.0f} |"
+    cells += [f"{med['workers1'] - med['workers0']:.0f}", f"{med['floor'] - e['floor_work_us']:.0f}",
+              f"{med['floor_poll'] - e['floor_work_us']:.0f}"]
+    return "| " + " | ".join(map(str, cells)) + " |"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
