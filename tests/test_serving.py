@@ -256,20 +256,24 @@ def test_client_process_killed_mid_stream(shared_server, client, tmp_path, how):
 
 def _stream_lanes(prefix: str, n_lanes: int, per_lane: int, max_tokens: int, seed0: int) -> list[list[dict]]:
     return [[{"id": f"{prefix}{lane}-{j}", "prompt": f"{prefix} {lane} {j}",
-              "params": {"max_tokens": max_tokens, "temperature": 1.0, "seed": seed0 + lane * 100 + j}}
+              "params": {"max_tokens": max_tokens, "temperature": 1.0, "seed": seed0 + lane * 100 + j,
+                         "ignore_eos": True}}
              for j in range(per_lane)] for lane in range(n_lanes)]
 
 
 @pytest.mark.timeout(300)
 def test_worker_sigkill_while_clients_stream(make_server, offline, tmp_path):
     server = make_server(workers=2)
-    clients = [ClientProcess(server.address, _stream_lanes(f"c{c}", 2, 1, 12, 1000 * c), tmp_path, f"c{c}")
+    clients = [ClientProcess(server.address, _stream_lanes(f"c{c}", 2, 1, 24, 1000 * c), tmp_path, f"c{c}")
                for c in range(4)]
     try:
         for proc in clients:
             proc.wait_for_line("streaming", 120)
         with Client(server.address) as probe:
             before = probe.health()
+            deadline = time.monotonic() + 10
+            while not all(w.running > 0 for w in before.workers) and time.monotonic() < deadline:
+                before = probe.health()  # placement is by free KV: wait until both workers hold work
         assert all(w.running > 0 for w in before.workers), f"a worker runs nothing, the kill proves little: {before}"
         victim = server.worker_pids()[0]
         os.kill(victim, signal.SIGKILL)
@@ -277,7 +281,7 @@ def test_worker_sigkill_while_clients_stream(make_server, offline, tmp_path):
     finally:
         for proc in clients:
             proc.kill()
-    jobs = [job for c in range(4) for lane in _stream_lanes(f"c{c}", 2, 1, 12, 1000 * c) for job in lane]
+    jobs = [job for c in range(4) for lane in _stream_lanes(f"c{c}", 2, 1, 24, 1000 * c) for job in lane]
     expected = dict(zip([j["id"] for j in jobs],
                         reference(offline, [(j["prompt"], SamplingParams(**j["params"])) for j in jobs]), strict=True))
     for report in reports:
