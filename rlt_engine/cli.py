@@ -198,7 +198,7 @@ def _summary(token_ids: list[int], exit_depths: list[int], finish_reason: str | 
 
 
 # `rlt-bench NAME …`: each benchmark is a module with main(argv) -> exit status.
-BENCHMARKS = {"throughput": "rlt_engine.bench.throughput"}
+BENCHMARKS = {"throughput": "rlt_engine.bench.throughput", "ipc": "rlt_engine.bench.ipc"}
 
 
 def bench_main(argv: list[str] | None = None) -> int:
@@ -214,7 +214,15 @@ def bench_main(argv: list[str] | None = None) -> int:
     return importlib.import_module(BENCHMARKS[argv[0]]).main(argv[1:])
 
 
-COMMANDS = {"serve": serve_main, "generate": generate_main, "bench": bench_main}
+def worker_main(argv: list[str] | None = None) -> int:
+    """`rlt-worker --connect tcp://HOST:PORT --curve-key FILE`: a worker for an engine on another host."""
+    # The one place besides the executors where the engine package reaches into the worker's.
+    from rlt_worker.worker_process import main as worker_process_main
+
+    return worker_process_main(sys.argv[1:] if argv is None else argv)
+
+
+COMMANDS = {"serve": serve_main, "generate": generate_main, "bench": bench_main, "worker": worker_main}
 
 
 def main(argv: list[str] | None = None) -> int:
