@@ -208,7 +208,8 @@ class LLMEngine:
         self._free_slots[worker] = result.num_free_slots
         changed = self.scheduler.update(worker, result)
         for request in changed:
-            if not request.is_finished and self._stop_string_index(request) is not None:
+            if (not request.is_finished and request.params.stop
+                    and _stop_index(self.tokenizer.decode(request.output_token_ids), request.params.stop) is not None):
                 self.scheduler.finish(request, "stop")
         return changed
 
@@ -226,16 +227,9 @@ class LLMEngine:
             failed += self.scheduler.fail_all("error")
         return failed
 
-    def _stop_string_index(self, request: Request) -> int | None:
-        if not request.params.stop:
-            return None
-        text = self.tokenizer.decode(request.output_token_ids)
-        hits = [text.find(s) for s in request.params.stop if s and s in text]
-        return min(hits) if hits else None
-
     def _output(self, request: Request) -> GenerationOutput:
         text = self.tokenizer.decode(request.output_token_ids)
-        cut = self._stop_string_index(request)
+        cut = _stop_index(text, request.params.stop)
         return GenerationOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -253,3 +247,9 @@ class LLMEngine:
         if not self._closed:
             self._closed = True
             self.executor.shutdown()
+
+
+def _stop_index(text: str, stops: list[str]) -> int | None:
+    """Where the earliest stop string starts in `text`, or None."""
+    hits = [text.find(s) for s in stops if s and s in text]
+    return min(hits) if hits else None

@@ -202,9 +202,10 @@ class Scheduler:
             if worker is None:
                 return
             self.waiting.remove(request)
-            for other in self.waiting:
-                if other.arrival < request.arrival:
-                    other.num_bypasses += 1
+            if self.config.priority:  # under FCFS nobody is ever bypassed
+                for other in self.waiting:
+                    if other.arrival < request.arrival:
+                        other.num_bypasses += 1
             request.worker = worker
             request.allocation = self.kv[worker].allocate(self._initial_positions(request))
             request.generation = self._next_generation

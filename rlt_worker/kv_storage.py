@@ -54,6 +54,3 @@ class KVStorage:
         """(k_cache, v_cache) of one layer, each [num_blocks, block_size, Hkv, Dh] (views of the pool)."""
         return self._caches[layer_index]
 
-    def read_blocks(self, block_ids: torch.Tensor) -> torch.Tensor:
-        """A copy of the listed blocks, [layers, 2, len(block_ids), block_size, Hkv, Dh]."""
-        return self.pool[:, :, block_ids].clone()
