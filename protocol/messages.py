@@ -252,6 +252,7 @@ class CodaBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_defaul
 
     COLUMNS: ClassVar = {
         "keys": I64, "generations": I64, "positions": I32, "seeds": U64, "sample_indices": I32,
+        "forced_tokens": I32,
     }
 
     keys: bytes = b""  # i64 [rows]
@@ -259,11 +260,13 @@ class CodaBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_defaul
     positions: bytes = b""  # i32 [rows]
     seeds: bytes = b""  # u64 [rows]
     sample_indices: bytes = b""  # i32 [rows], output index i (Philox index); −1: coda K/V only, no sample
+    forced_tokens: bytes = b""  # i32 [rows], the token to emit instead of a sample (teacher forcing); −1: sample
 
     def __post_init__(self) -> None:
         self._check_columns()
         self._check_min("positions", 0)
         self._check_min("sample_indices", -1)
+        self._check_min("forced_tokens", -1)
 
 
 StageBatch = PrefillBatch | PreludeBatch | RecurrentBatch | FinalizeBatch | CodaBatch
@@ -333,6 +336,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
     max_loops: int | None = None  # None = the engine's D
     exit_threshold: float | None = None  # None = the policy's never-early value
     exit_depths: list[int] | None = None  # the `trace` policy's depths, one per output token
+    # Teacher forcing, to score a text: output i is forced_tokens[i] instead of a sample (its
+    # logprob is reported; exit rules, stop tokens and EOS apply to it as to a sampled token).
+    forced_tokens: list[int] | None = None
     priority: int = 0  # lower runs first under scheduling_policy="priority"
 
     def __post_init__(self) -> None:
@@ -358,6 +364,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
                 len(self.exit_depths) == self.max_tokens,
                 f"exit_depths has {len(self.exit_depths)} entries, max_tokens is {self.max_tokens}",
             )
+        if self.forced_tokens is not None:
+            _require(
+                len(self.forced_tokens) == self.max_tokens,
+                f"forced_tokens has {len(self.forced_tokens)} entries, max_tokens is {self.max_tokens}",
+            )
+            _require(min(self.forced_tokens) >= 0, "forced_tokens must be token ids ≥ 0")
         _require(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be ≥ 0")
 
 

@@ -134,6 +134,8 @@ class LLMEngine:
             raise InvalidRequestError("the prompt is empty")
         if min(prompt) < 0 or max(prompt) >= info.vocab_size:
             raise InvalidRequestError(f"prompt token ids must be in [0, {info.vocab_size})")
+        if params.forced_tokens is not None and max(params.forced_tokens) >= info.vocab_size:
+            raise InvalidRequestError(f"forced_tokens must be token ids in [0, {info.vocab_size})")
         if params.max_loops is not None and params.max_loops > depth:
             raise InvalidRequestError(f"max_loops {params.max_loops} exceeds the engine's depth D = {depth}")
         if params.min_loops > (params.max_loops or depth):

@@ -108,7 +108,12 @@ class PlanBuilder:
 
     def coda(self, request: Request, position: int, output_index: int) -> None:
         """Sample output `output_index` at `position`; −1 runs the coda for its K/V only."""
-        self._row(CodaBatch, request, positions=position, seeds=request.seed, sample_indices=output_index)
+        forced = request.params.forced_tokens
+        forced_token = forced[output_index] if forced is not None and output_index >= 0 else -1
+        self._row(
+            CodaBatch, request, positions=position, seeds=request.seed, sample_indices=output_index,
+            forced_tokens=forced_token,
+        )
 
     # ---------------------------------------------------------------- packing
 

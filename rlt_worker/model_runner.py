@@ -406,8 +406,9 @@ class ModelRunner:
         indices = batch.col("sample_indices")
         sampled = np.flatnonzero(indices >= 0)  # the others ran only for their coda K/V (replay)
         seeds = batch.col("seeds")[sampled].view(np.int64)
-        slots, positions, rows, seeds, sample_indices = self._upload(
-            row_slots, host_positions, sampled, seeds, indices[sampled]
+        host_forced = batch.col("forced_tokens")[sampled]
+        slots, positions, rows, seeds, sample_indices, forced = self._upload(
+            row_slots, host_positions, sampled, seeds, indices[sampled], host_forced
         )
         context = self._context(slots, positions, None, self._width(host_positions))
         hidden = self.model.coda(self.state[slots], positions, context)
@@ -424,6 +425,9 @@ class ModelRunner:
         )
         # The general path is exact for greedy rows too; the shortcut only skips the noise.
         all_greedy = bool(self.host_greedy[row_slots[sampled]].all())
-        tokens, logprobs = sample(self.model.lm_head(hidden), params, all_greedy=all_greedy)
+        any_forced = bool((host_forced >= 0).any())
+        tokens, logprobs = sample(
+            self.model.lm_head(hidden), params, all_greedy=all_greedy, forced=forced if any_forced else None
+        )
         self.tokens[slots] = tokens
         results.add(Stage.CODA, keys[sampled], generations[sampled], tokens=tokens, logprobs=logprobs)

@@ -72,11 +72,15 @@ def _allowed_mask(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     return torch.zeros_like(keep).scatter(1, order, keep)
 
 
-def sample(logits: Tensor, params: SamplingTensors, all_greedy: bool | None = None) -> tuple[Tensor, Tensor]:
+def sample(
+    logits: Tensor, params: SamplingTensors, all_greedy: bool | None = None, forced: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Sample one token per row of logits [N, V]; returns (tokens int64 [N], logprobs float64 [N]).
 
     `all_greedy`: whether every row's temperature is <= 0, when the caller knows it on the host
     (the runner does); None reads it from `params.temperature`, a device→host sync on CUDA.
+    `forced` (int64 [N], −1 = sample): rows whose token is given (teacher forcing); the logprob
+    is that token's.
     """
     x = logits.double()
     dev = x.device
@@ -92,5 +96,8 @@ def sample(logits: Tensor, params: SamplingTensors, all_greedy: bool | None = No
         u = uniform(params.seeds.to(dev), PURPOSE_SAMPLE, params.indices.to(dev), x.shape[1])
         noisy = (scaled - torch.log(-torch.log(u))).masked_fill(~allowed, float("-inf"))
         tokens = torch.where(greedy, tokens, torch.argmax(noisy, dim=-1))
+    if forced is not None:
+        forced = forced.to(dev)
+        tokens = torch.where(forced >= 0, forced, tokens)
     logprobs = torch.log_softmax(x, dim=-1).gather(1, tokens[:, None]).squeeze(1)
     return tokens, logprobs

@@ -87,6 +87,34 @@ def test_adaptive_exit_matches_reference(model, exit_mode, threshold, kv_layout,
     assert early_exit_batches(run.plans, depth), "no early exit inside a loop batch shared with another request"
 
 
+@pytest.mark.parametrize("kv_layout", ["last_exited", "shared"])
+def test_forced_tokens_score_a_text_like_the_reference(kv_layout):
+    """Teacher forcing (how `rlt-bench quality` scores text): every other request emits given
+    tokens instead of samples, beside sampled requests in the same loop batches; the tokens are
+    the given ones, and the gate's exits and the logprobs equal the dense reference's."""
+    rng = random.Random(f"forced-{kv_layout}")
+    jobs = make_workload(rng, 6, depth=DEPTH["toy-ouro"], exit_mode="ouro", threshold=0.5,
+                         sampling=tuple(SAMPLING), max_prompt_len=8, max_tokens=10)
+    forced = [
+        dataclasses.replace(job, params=msgspec.structs.replace(
+            job.params, logprobs=1, forced_tokens=[rng.randrange(256) for _ in range(job.params.max_tokens)]))
+        if i % 2 == 0 else job
+        for i, job in enumerate(jobs)
+    ]
+    with make_llm("toy-ouro", exit_mode="ouro", kv_layout=kv_layout, max_num_seqs=4) as llm:
+        run = run_workload(llm, forced)
+        assert_matches_reference(run, "toy-ouro", kv_layout=kv_layout, exit_mode="ouro")
+    for life in run.lives:
+        want = life.job.params.forced_tokens
+        if want is not None:
+            assert life.final.token_ids == want[: len(life.final.token_ids)]
+
+
+def test_forced_tokens_outside_the_vocabulary_are_refused():
+    with make_llm("toy-ouro") as llm, pytest.raises(ValueError, match="forced_tokens must be token ids in"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=2, forced_tokens=[3, 10**6]))
+
+
 @pytest.mark.parametrize("exit_mode", ["ouro", "ouro_delayed"])
 def test_ouro_modes_need_an_exit_gate(exit_mode):
     with pytest.raises(ValueError, match=rf"exit_mode '{exit_mode}' needs an exit gate.*huginn"):

@@ -105,6 +105,8 @@ def generate_reference(
             state = _run_position(model, ctx, t, result.token_ids[-1], seed, config, params, exit_at=trace_depth)
         logits = _coda(model, ctx, t, state)
         token, logprob = _sample(logits, params, seed, i)
+        if params.forced_tokens is not None:
+            token, logprob = _forced(logits, params.forced_tokens[i])
         result.token_ids.append(token)
         result.exit_depths.append(ctx.exit_depth[t])
         result.logprobs.append(logprob)
@@ -179,6 +181,10 @@ def _run_position(
 def _coda(model: LoopedModel, ctx: DenseContext, t: int, state: torch.Tensor) -> torch.Tensor:
     hidden = model.coda(state, torch.tensor([t]), ctx.at(t, 0))
     return model.lm_head(hidden)
+
+
+def _forced(logits: torch.Tensor, token: int) -> tuple[int, float]:
+    return token, float(torch.log_softmax(logits[0].double(), dim=-1)[token])
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams, seed: int, index: int) -> tuple[int, float]:
