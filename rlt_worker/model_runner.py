@@ -386,18 +386,9 @@ class ModelRunner:
         if self.config.kv_layout != LAST_EXITED:
             return  # SHARED: the one plane already holds each position's last loop
         slots = self._slots(batch.col("keys"), batch.col("generations"))
-        src, dst = [], []
-        block_size = self.storage.block_size
-        for slot, position, exit_depth in zip(
-            slots, batch.col("positions").tolist(), batch.col("exit_depths").tolist(), strict=True
-        ):
-            table = self._host_tables[slot, :, position // block_size].tolist()
-            offset = position % block_size
-            for plane in range(exit_depth, self.config.max_loops):
-                src.append(table[exit_depth - 1] * block_size + offset)
-                dst.append(table[plane] * block_size + offset)
-        if src:
-            self._backend.copy_kv_slots(self.storage.pool, *self._upload(src, dst))
+        slots, positions, depths = self._upload(slots, batch.col("positions"), batch.col("exit_depths"))
+        loop_tables = self.block_tables[:, : self.config.max_loops]  # Huginn's outer-layer plane comes after
+        self._backend.finalize_kv(self.storage.pool, loop_tables, slots, positions, depths)
 
     def _coda(self, batch: CodaBatch, results: ResultBuilder) -> None:
         keys, generations = batch.col("keys"), batch.col("generations")

@@ -146,6 +146,46 @@ def _interp_write_kv() -> None:
     assert torch.count_nonzero(store[:, 0]) == 0  # the other layer is untouched
 
 
+def finalize_case(
+    *, layers: int, num_kv_heads: int, head_dim: int, block_size: int, planes: int, rows: int,
+    dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
+) -> tuple[torch.Tensor, ...]:
+    """A random pool, per-slot block tables (distinct blocks per plane) and finalize rows with
+    every exit depth 1 … planes (the deepest copies nothing)."""
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = 3
+    num_slots = rows  # one row per slot: rows of one finalize batch are distinct requests
+    num_blocks = num_slots * planes * max_blocks + 2
+    pool = torch.randn(layers, 2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    tables = torch.randperm(num_blocks, generator=gen)[: num_slots * planes * max_blocks]
+    tables = tables.view(num_slots, planes, max_blocks).to(torch.int32)
+    slots = torch.randperm(num_slots, generator=gen)
+    positions = torch.randint(0, max_blocks * block_size, (rows,), generator=gen)
+    depths = torch.arange(rows) % planes + 1
+    return tuple(t.to(device) for t in (pool, tables, slots, positions, depths))
+
+
+def finalize_by_hand(pool: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                     depths: torch.Tensor) -> torch.Tensor:
+    """SPEC §4 read literally, one (row, plane) at a time."""
+    want = pool.clone()
+    block_size = pool.shape[3]
+    for slot, pos, depth in zip(slots.tolist(), positions.tolist(), depths.tolist(), strict=True):
+        table = tables[slot, :, pos // block_size].tolist()
+        for plane in range(depth, tables.shape[1]):
+            want[:, :, table[plane], pos % block_size] = pool[:, :, table[depth - 1], pos % block_size]
+    return want
+
+
+def _interp_finalize_kv() -> None:
+    """The Triton finalize copy equals the literal loop, for every exit depth and GQA-odd head counts."""
+    pool, tables, slots, positions, depths = finalize_case(layers=2, num_kv_heads=3, head_dim=16, block_size=4,
+                                                           planes=4, rows=9)
+    want = finalize_by_hand(pool, tables, slots, positions, depths)
+    tb.finalize_kv(pool, tables, slots, positions, depths)
+    assert torch.equal(pool, want)
+
+
 INTERP_CASES: dict[str, Callable[[], None]] = {
     # (Hq, Hkv, Dh, block, planes, context lengths, strided pool, overrides)
     f"{name}-{'strided' if strided else 'contig'}": functools.partial(_interp_attention, *args, strided, **kw)
@@ -155,7 +195,7 @@ INTERP_CASES: dict[str, Callable[[], None]] = {
         ("gqa-split3", (4, 2, 32, 16, 2, [33, 2]), {"num_splits": 3, "tile": 16}),
     ]
     for strided in (False, True)
-} | {"float64": _interp_float64, "write_kv": _interp_write_kv}
+} | {"float64": _interp_float64, "write_kv": _interp_write_kv, "finalize_kv": _interp_finalize_kv}
 
 
 def _run_interp_cases() -> dict[str, str]:
@@ -191,9 +231,14 @@ def test_interpreter_matches_torch_ref(interp_verdicts: dict[str, str], case: st
     assert verdict == "ok", verdict
 
 
-def test_copy_kv_slots_is_torch_ref() -> None:
-    """copy_kv_slots is torch_ref's (one gather + one scatter; overlapping src/dst stay well defined)."""
-    assert tb.copy_kv_slots is torch_ref.copy_kv_slots
+@pytest.mark.parametrize("planes,block_size", [(4, 4), (6, 16), (1, 4)])
+def test_torch_finalize_kv_equals_the_literal_loop(planes: int, block_size: int) -> None:
+    """torch_ref.finalize_kv (static shapes, no host sync) equals the one-(row, plane)-at-a-time loop."""
+    pool, tables, slots, positions, depths = finalize_case(layers=2, num_kv_heads=2, head_dim=8,
+                                                           block_size=block_size, planes=planes, rows=7, seed=planes)
+    want = finalize_by_hand(pool, tables, slots, positions, depths)
+    torch_ref.finalize_kv(pool, tables, slots, positions, depths)
+    assert torch.equal(pool, want)
 
 
 def test_cpu_tensors_without_interpreter_raise(compiled: None) -> None:
@@ -285,6 +330,17 @@ def test_gpu_write_kv(compiled: None) -> None:
     tb.write_kv(pool[1, 0], pool[1, 1], k, v, slots)
     torch_ref.write_kv(ref[1, 0], ref[1, 1], k, v, slots)
     assert torch.equal(pool, ref)
+
+
+@gpu
+@needs_cuda
+def test_gpu_finalize_kv(compiled: None) -> None:
+    """finalize_kv on CUDA equals the literal loop at Ouro-1.4B head shapes (16 kv heads, Dh 128, block 16), bf16."""
+    pool, tables, slots, positions, depths = finalize_case(layers=2, num_kv_heads=16, head_dim=128, block_size=16,
+                                                           planes=4, rows=64, dtype=torch.bfloat16, device="cuda")
+    want = finalize_by_hand(pool, tables, slots, positions, depths)
+    tb.finalize_kv(pool, tables, slots, positions, depths)
+    assert torch.equal(pool, want)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--interp-cases"]:

@@ -1,6 +1,6 @@
 """Attention backends: `torch` (CPU path and oracle) and `triton` (CUDA default).
 
-A backend module provides write_kv, paged_attention and copy_kv_slots with the signatures of
+A backend module provides write_kv, paged_attention and finalize_kv with the signatures of
 torch_ref.
 """
 

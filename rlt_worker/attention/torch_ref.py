@@ -55,11 +55,27 @@ def paged_attention(
     return out.to(q.dtype)
 
 
-def copy_kv_slots(kv_pool: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-    """Copy every layer's K and V at flat slots src → dst (LAST_EXITED finalize).
+def finalize_kv(
+    kv_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    exit_depths: torch.Tensor,
+) -> None:
+    """LAST_EXITED finalize (SPEC §4): each row's K/V at its position, every layer, is copied from
+    its exit plane (depth e, plane e − 1) into every deeper plane e … D − 1.
 
-    kv_pool: [layers, 2, num_blocks, block_size, Hkv, Dh].
+    kv_pool: [layers, 2, num_blocks, block_size, Hkv, Dh]; block_tables: [slots, loop planes, max_blocks];
+    slots, positions, exit_depths: [R], on the pool's device. No value is read back to the host.
     """
-    layers, two, _, _, num_kv_heads, head_dim = kv_pool.shape
+    layers, two, _, block_size, num_kv_heads, head_dim = kv_pool.shape
+    planes = block_tables.shape[1]
+    blocks = block_tables[slots, :, positions // block_size].long()  # [R, planes]
+    offsets = (positions % block_size)[:, None]
+    src = blocks.gather(1, (exit_depths - 1)[:, None].long()) * block_size + offsets  # [R, 1]
+    deeper = torch.arange(planes, device=blocks.device)[None, :] >= exit_depths[:, None]
+    # Planes up to the exit keep their own K/V: their "copy" is the source onto itself, which
+    # keeps the index shapes static (no boolean select, so no device→host sync).
+    dst = torch.where(deeper, blocks * block_size + offsets, src)
     flat = kv_pool.view(layers, two, -1, num_kv_heads, head_dim)
-    flat[:, :, dst_slots] = flat[:, :, src_slots]
+    flat[:, :, dst.reshape(-1)] = flat[:, :, src.expand_as(dst).reshape(-1)]

@@ -1,4 +1,5 @@
-"""Paged attention in Triton: the GPU path, with torch_ref.paged_attention's exact contract.
+"""Paged attention, KV writes and the LAST_EXITED finalize copy in Triton: the GPU path, with
+torch_ref's exact contracts.
 
 One launch serves every row (decode rows at mixed loop depths and prefill-chunk rows alike):
 a row is a query token with its own block-table row and context length.
@@ -40,8 +41,6 @@ from typing import Any
 
 import torch
 
-from rlt_worker.attention.torch_ref import copy_kv_slots
-
 try:  # Triton is a dependency, but keep the import from failing where no wheel exists.
     import triton
     import triton.language as tl
@@ -49,7 +48,7 @@ except ImportError:  # pragma: no cover - exercised only without Triton
     triton = None
     tl = None
 
-__all__ = ["copy_kv_slots", "paged_attention", "write_kv"]
+__all__ = ["finalize_kv", "paged_attention", "write_kv"]
 
 _LOG2E = 1.4426950408889634
 # Fewest tokens worth giving a split: below this the merge costs more than it wins.
@@ -203,6 +202,34 @@ def _write_kv_kernel(
     tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=ok)
 
 
+def _finalize_kv_kernel(
+    pool_ptr, bt_ptr, slot_ptr, pos_ptr, depth_ptr,
+    stride_pl, stride_pk, stride_pb, stride_ps, stride_ph, stride_pd,
+    stride_bts, stride_btp, stride_btb,
+    NUM_KV_HEADS: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Program (row, plane, layer·2 + K/V): if plane ≥ the row's exit depth e, copy the row's
+    [Hkv, Dh] tile at its position from plane e − 1 into this plane."""
+    row = tl.program_id(0)
+    plane = tl.program_id(1)
+    layer_kv = tl.program_id(2)
+    depth = tl.load(depth_ptr + row)
+    if plane >= depth:
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        pos = tl.load(pos_ptr + row).to(tl.int64)
+        table = bt_ptr + slot * stride_bts + (pos // BLOCK_SIZE) * stride_btb
+        src_block = tl.load(table + (depth - 1) * stride_btp).to(tl.int64)
+        dst_block = tl.load(table + plane * stride_btp).to(tl.int64)
+        h = tl.arange(0, H_PAD)
+        d = tl.arange(0, D_PAD)
+        ok = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+        base = pool_ptr + (layer_kv // 2) * stride_pl + (layer_kv % 2) * stride_pk + (pos % BLOCK_SIZE) * stride_ps
+        tile = h[:, None] * stride_ph + d[None, :] * stride_pd
+        x = tl.load(base + src_block * stride_pb + tile, mask=ok)
+        tl.store(base + dst_block * stride_pb + tile, x, mask=ok)
+
+
 def _interpreting() -> bool:
     """Whether Triton would build interpreter kernels now (TRITON_INTERPRET, read as Triton reads it)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes", "y")
@@ -345,4 +372,29 @@ def write_kv(
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
         NUM_KV_HEADS=num_kv_heads, H_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1],
+    )
+
+
+def finalize_kv(
+    kv_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    exit_depths: torch.Tensor,
+) -> None:
+    """torch_ref.finalize_kv in one launch: grid (rows, planes, layers × K/V), one [Hkv, Dh] tile each.
+
+    Programs for planes at or below a row's exit return at once, so the grid is fixed by shapes
+    alone (no device→host sync; capturable in a CUDA graph).
+    """
+    num_rows = slots.shape[0]
+    layers, two, _, block_size, num_kv_heads, head_dim = kv_pool.shape
+    if num_rows == 0:
+        return
+    _check_device(kv_pool, block_tables, slots, positions, exit_depths)
+    _kernel(_finalize_kv_kernel)[(num_rows, block_tables.shape[1], layers * two)](
+        kv_pool, block_tables, slots, positions, exit_depths,
+        *kv_pool.stride(), *block_tables.stride(),
+        NUM_KV_HEADS=num_kv_heads, H_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
     )
