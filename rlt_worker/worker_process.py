@@ -7,7 +7,9 @@
 Life: WorkerHello → build the Worker (on failure nothing is sent: the error goes to stderr and
 the process exits nonzero) → WorkerReady → serve plans until Shutdown (exit 0), or until the
 engine is gone: parent-death signal, parent-pid check, or no engine message (plan or
-heartbeat, on either socket) for min(3 × heartbeat interval, 3 s).
+heartbeat, on either socket) for min(3 × heartbeat interval, 3 s). The worker's own heartbeats
+go out between plans from the main thread and, while a plan runs, from a helper thread, so a
+plan longer than the engine's worker_timeout is not taken for a hang.
 
 Imports no torch until the hello arrives, so the parent-death signal is armed within
 milliseconds of the fork rather than after seconds of importing.
@@ -22,6 +24,7 @@ import os
 import signal
 import struct
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -119,6 +122,10 @@ class EngineLink:
             self.poller.register(self.monitor, zmq.POLLIN)
         self.last_heard = self.last_sent = time.monotonic()
         self.num_rejected = 0
+        # The PAIR socket moves between the main thread and BusyHeartbeats: whoever holds the
+        # lock is the one thread touching it, which is how ZeroMQ lets a socket change threads.
+        self._socket_lock = threading.Lock()
+        self.executing = False  # a plan is running on the main thread (BusyHeartbeats reads it)
 
     @staticmethod
     def _socket(ctx: zmq.Context, kind: int, server_key: bytes | None, secret_key: bytes | None) -> zmq.Socket:
@@ -144,6 +151,10 @@ class EngineLink:
 
     def receive(self, timeout_s: float, handshake: bool = False) -> list[object]:
         """Every message that arrives within `timeout_s` (or is already queued); bad frames dropped."""
+        with self._socket_lock:
+            return self._receive(timeout_s, handshake)
+
+    def _receive(self, timeout_s: float, handshake: bool) -> list[object]:
         events = dict(self.poller.poll(max(0.0, timeout_s) * 1000))
         messages: list[object] = []
         if self.monitor is not None and events.get(self.monitor):
@@ -187,12 +198,13 @@ class EngineLink:
 
     def send(self, message: object, block: bool = True) -> bool:
         """Send one message; False when a non-blocking send found the queue full."""
-        try:
-            self.socket.send(self.codec.encode(message), 0 if block else zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        self.last_sent = time.monotonic()
-        return True
+        with self._socket_lock:
+            try:
+                self.socket.send(self.codec.encode(message), 0 if block else zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            self.last_sent = time.monotonic()
+            return True
 
     def close(self) -> None:
         if self.monitor is not None:
@@ -218,15 +230,53 @@ def _await_hello(link: EngineLink, index: int | None, timeout_s: float) -> Worke
             raise WorkerExit(EXIT_HANDSHAKE)
 
 
+class BusyHeartbeats(threading.Thread):
+    """Sends the worker's heartbeats while the main thread executes a plan.
+
+    A plan may outlast the engine's worker_timeout (a first Triton compile, a CUDA graph
+    capture, a long prefill on the CPU); without these beats the engine would kill a busy
+    worker as a hung one. A hung worker still falls silent: the beats stop with the process.
+    """
+
+    def __init__(self, link: EngineLink, interval_s: float) -> None:
+        super().__init__(name="busy-heartbeats", daemon=True)
+        self._link, self._interval_s = link, interval_s
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self._stopped.wait(self._interval_s / 4):
+            link = self._link
+            if link.executing and time.monotonic() - link.last_sent >= self._interval_s:
+                link.send(Heartbeat(sent_at=time.monotonic()), block=False)  # a full queue drops it
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self.join()
+
+
 def _serve(link: EngineLink, worker: Worker, interval_s: float) -> int:
-    """Execute plans until Shutdown; heartbeat when idle; leave when the engine is gone."""
+    """Execute plans until Shutdown; heartbeat while busy and when idle; leave when the engine is gone."""
+    beats = BusyHeartbeats(link, interval_s)
+    beats.start()
+    try:
+        return _serve_plans(link, worker, interval_s)
+    finally:
+        beats.stop()
+
+
+def _serve_plans(link: EngineLink, worker: Worker, interval_s: float) -> int:
     deadline_s = min(3 * interval_s, MAX_DEADLINE_S)
     while True:
         next_beat = link.last_sent + interval_s - time.monotonic()
         messages = link.receive(min(POLL_S, max(0.0, next_beat)))
         for message in messages:
             if isinstance(message, ExecutionPlan):
-                link.send(worker.execute(message))
+                link.executing = True
+                try:
+                    result = worker.execute(message)
+                finally:
+                    link.executing = False
+                link.send(result)
             elif isinstance(message, Shutdown):
                 log.info("worker %d shutting down (%s)", worker.index, message.reason or "engine request")
                 return EXIT_OK

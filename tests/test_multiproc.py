@@ -188,7 +188,7 @@ def test_config_hash_mismatch_refuses_startup(monkeypatch: pytest.MonkeyPatch) -
 
 
 def _worker_config():
-    executor = MultiprocExecutor(EngineConfig(workers=1, **MODEL_OPTIONS))
+    executor = MultiprocExecutor(EngineConfig(model="toy-ouro", workers=1, **MODEL_OPTIONS))
     return executor._configs[0]
 
 
@@ -296,6 +296,28 @@ def test_workers_exit_when_the_engine_is_stopped(isolated: Path) -> None:
     _assert_next_start_removes_stale_dir(isolated)
 
 
+@pytest.mark.timeout(240)
+def test_a_plan_longer_than_worker_timeout_is_not_a_hang() -> None:
+    """A real long plan (a 400-token prompt prefilled through 16 loops in one chunk, float64 on
+    the CPU) outlasts worker_timeout; the worker's heartbeats while busy keep it from being killed."""
+    config = EngineConfig(model="toy-ouro", workers=1, worker_timeout=2.0, max_loops=16, num_blocks=1024,
+                          prefill_chunk_size=512, **MODEL_OPTIONS)
+    engine = engine_module.LLMEngine(config)
+    try:
+        engine.add_request("long prefill", list(range(1, 201)) * 2, SamplingParams(max_tokens=2, seed=0))
+        longest, outputs = 0.0, []
+        while not (outputs and outputs[-1].finished):
+            start = time.monotonic()
+            outputs = engine.step()
+            longest = max(longest, time.monotonic() - start)
+        log.info("longest step %.2f s against worker_timeout %.1f s", longest, config.worker_timeout)
+        assert outputs[-1].finish_reason == "length", outputs[-1]
+        assert not engine.is_dead and engine.num_worker_restarts == 0
+        assert longest > config.worker_timeout, f"the longest step took {longest:.2f} s: it proves nothing"
+    finally:
+        engine.close()
+
+
 # ---------------------------------------------------------------------------------- resources
 
 
@@ -377,7 +399,7 @@ def test_tcp_worker_with_a_wrong_key_is_refused(keys: dict[str, Path]) -> None:
     intruder = _remote_worker(port, keys["engine"], keys["intruder_secret"], hello_timeout=4)
     wrong_server = _remote_worker(port, keys["intruder"], keys["worker_secret"], hello_timeout=4)
     try:
-        executor = MultiprocExecutor(EngineConfig(workers=1, **MODEL_OPTIONS), remote=remote, startup_timeout=3)
+        executor = MultiprocExecutor(EngineConfig(model="toy-ouro", workers=1, **MODEL_OPTIONS), remote=remote, startup_timeout=3)
         with pytest.raises(WorkerStartupError, match="remote worker 0 never connected"):
             executor.start()
         executor.shutdown()
