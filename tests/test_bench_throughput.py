@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -44,6 +45,9 @@ def test_cpu_toy_grid(tmp_path, capsys: pytest.CaptureFixture[str], one_thread: 
             assert 1.0 <= run["loops_per_generated_token"] < 4.0
         assert (r["floor"] is not None) == (r["concurrency"] == 1)
     assert "| workers | exit |" in capsys.readouterr().out
+    assert {key: (g["equal"], g["failures"]) for key, g in payload["meta"]["gate"].items()} == {
+        "workers=0,exit=fixed": (8, []), "workers=0,exit=trace": (8, []),
+    }
 
 
 def test_trace_mix_and_bytes() -> None:
@@ -60,3 +64,32 @@ def test_trace_mix_and_bytes() -> None:
     assert tb.loop_weights == 2 * (24 * (4 * 2048 * 2048 + 3 * 2048 * 5632 + 4 * 2048) + 2048)
     assert tb.head == 2 * 49152 * 2048
     assert tb.kv_per_position_loop == 24 * 2 * 16 * 128 * 2
+
+
+def _gate_setup():
+    from rlt_engine.bench import gate
+    from rlt_engine.llm import LLM
+
+    def make(vocab: int, depth: int) -> list[gate.GateJob]:
+        return [gate.GateJob(j.prompt, j.params) for j in make_jobs(3, 6, 8, vocab, "trace", depth, 2.5, seed=5)]
+
+    options = {"device": "cpu", "dtype": "float64"}
+    jobs, reference = gate.reference_run("toy-ouro", {**options, "exit_mode": "trace"}, make)
+    return gate, LLM("toy-ouro", workers=0, exit_mode="trace", loops_per_plan=4, **options), jobs, reference
+
+
+def test_gate_passes_an_equal_engine_and_catches_a_wrong_token(one_thread: None) -> None:
+    """The gate against real outputs: an engine with multi-loop plans equals the torch path; a
+    reference whose token 2 was replaced fails with the engine's real logprob gap, unless the
+    tolerance allows that gap (a near-tie)."""
+    gate, llm, jobs, reference = _gate_setup()
+    with llm:
+        assert gate.check(llm, jobs, reference, "float64").equal == 3
+        wrong = reference[0].token_ids[:]
+        wrong[2] = (wrong[2] + 1) % 256
+        altered = [dataclasses.replace(reference[0], token_ids=wrong), *reference[1:]]
+        result = gate.check(llm, jobs, altered, "float64")
+        assert not result.passed and result.equal == 2
+        assert "request 0: token 2" in result.failures[0] and "logprob gap" in result.failures[0]
+        lenient = gate.check(llm, jobs, altered, "float64", tolerance=1e9)
+        assert lenient.passed and lenient.near_ties[0]["index"] == 2 and lenient.near_ties[0]["margin"] > 0

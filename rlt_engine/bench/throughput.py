@@ -7,6 +7,10 @@ c requests in flight until 2·c (`--requests-factor`) have been submitted, each 
     exit fixed   every generated position runs D loops
     exit trace   a fixed seeded mix of depths 1 … D after the first token, mean `--trace-mean`
 
+Before an engine is timed, its first 8 requests (the same prompts and trace depths in every
+engine) are checked against the torch path's (`--gate`, see rlt_engine/bench/gate.py); an engine
+that fails is reported, not timed.
+
 Reported per configuration (median over `--repeats` timed runs after an untimed warm-up):
 output tokens/s, TTFT p50, ITL p50/p99, mean loops per output token, peak GPU memory, and at
 concurrency 1 the ratio of the time per token (ITL p50) to the HBM floor: the bytes one token
@@ -38,6 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.messages import SamplingParams
+from rlt_engine.bench import gate
+from rlt_engine.bench.report import log, pyplot
 
 HBM_TBPS = 4.3  # H200 device-to-device copy rate measured here (KINDS.md), bytes read + written
 
@@ -301,6 +307,7 @@ class Grid:
         self.results: list[ConfigResult] = []
         self.meta: dict[str, Any] = {}
         self.deadline = time.perf_counter() + args.total_seconds
+        self.references: dict[str, tuple[list[gate.GateJob], list[Any]]] = {}  # exit mode → (jobs, torch outputs)
 
     @staticmethod
     def weight(concurrency: int) -> float:
@@ -315,21 +322,41 @@ class Grid:
         share = self.weight(grid[done]) / sum(self.weight(c) for c in grid[done:])
         return min(a.max_seconds, left * share)
 
+    def _options(self, exit_mode: str) -> dict[str, Any]:
+        a = self.args
+        return dict(
+            device=a.device, dtype=a.dtype, exit_mode=exit_mode, max_num_seqs=max(a.concurrency),
+            max_num_batched_tokens=a.max_num_batched_tokens or max(2048, max(a.concurrency)),
+            prefill_chunk_size=a.prefill_chunk_size, num_blocks=a.num_blocks,
+            gpu_memory_utilization=a.gpu_memory_utilization,
+        )
+
+    def _gate_references(self) -> None:
+        """The torch path's outputs of the gate requests, once per exit mode (before any engine under test)."""
+        a = self.args
+        for exit_mode in a.exit:
+            t0 = time.perf_counter()
+
+            def make(vocab: int, depth: int, mode: str = exit_mode) -> list[gate.GateJob]:
+                jobs = make_jobs(gate.GATE_REQUESTS, a.prompt_len, a.output_len, vocab, mode, depth, a.trace_mean,
+                                 a.seed + 7919)
+                return [gate.GateJob(j.prompt, j.params) for j in jobs]
+
+            self.references[exit_mode] = gate.reference_run(a.model, self._options(exit_mode), make)
+            _free_device(a.device)
+            log(f"== gate reference (torch path) for exit={exit_mode}: {time.perf_counter() - t0:.1f} s")
+
     def run(self) -> None:
         from rlt_engine.llm import LLM
 
         a = self.args
+        if a.gate:
+            self._gate_references()
         done = 0
         for workers in a.workers:
             for exit_mode in a.exit:
-                options = dict(
-                    workers=workers, device=a.device, dtype=a.dtype, exit_mode=exit_mode,
-                    max_num_seqs=max(a.concurrency),
-                    max_num_batched_tokens=a.max_num_batched_tokens or max(2048, max(a.concurrency)),
-                    prefill_chunk_size=a.prefill_chunk_size, num_blocks=a.num_blocks,
-                    attention_backend=a.attention_backend, gpu_memory_utilization=a.gpu_memory_utilization,
-                    loops_per_plan=a.loops_per_plan,
-                )
+                options = dict(self._options(exit_mode), workers=workers, attention_backend=a.attention_backend,
+                               loops_per_plan=a.loops_per_plan)
                 if a.cuda_graphs is not None:
                     options["cuda_graphs"] = a.cuda_graphs
                 log(f"== workers={workers} exit={exit_mode}: starting the engine")
@@ -361,6 +388,12 @@ class Grid:
             "startup_s": startup_s, "num_blocks": kv.num_blocks, "num_planes": kv.num_planes, "depth": depth,
         }
         vocab = info.vocab_size
+        if exit_mode in self.references and not self._gate(llm, workers, exit_mode):
+            for c in a.concurrency:
+                failed = ConfigResult(workers, exit_mode, c, error="correctness gate failed (see meta.gate)")
+                self.results.append(failed)
+            self.save()
+            return done + len(a.concurrency)
         if a.warmup:
             t0 = time.perf_counter()
             # One request at full length (every split count the c = 1 decode uses), then many short
@@ -415,6 +448,13 @@ class Grid:
             self.save()
             done += 1
         return done
+
+    def _gate(self, llm: Any, workers: int, exit_mode: str) -> bool:
+        jobs, reference = self.references[exit_mode]
+        result = gate.check(llm, jobs, reference, llm.engine.config.dtype)
+        self.meta.setdefault("gate", {})[f"workers={workers},exit={exit_mode}"] = dataclasses.asdict(result)
+        log(f"   gate: {result.summary()}")
+        return result.passed
 
     def _floor(self, config: ConfigResult, dtype: str) -> dict[str, Any] | None:
         a = self.args
@@ -513,10 +553,6 @@ def _git_commit() -> str | None:
 # ---------------------------------------------------------------------------- output
 
 
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def _ms(value: float | None) -> str:
     return "—" if value is None else f"{value * 1e3:.1f}"
 
@@ -545,13 +581,8 @@ def table(results: Sequence[ConfigResult]) -> str:
 
 def plot(results: Sequence[ConfigResult], path: str, title: str) -> bool:
     """Throughput and ITL p50 against concurrency, one line per (workers, exit); False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib is not installed: no plot (pip install 'rlt[bench]')")
+    plt = pyplot()
+    if plt is None:
         return False
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     series: dict[tuple[int, str], list[ConfigResult]] = {}
@@ -605,6 +636,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-seconds", type=float, default=45.0, help="timed seconds per configuration")
     p.add_argument("--total-seconds", type=float, default=480.0, help="seconds for the whole grid, warm-ups included")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--gate", action=argparse.BooleanOptionalAction, default=True,
+                   help="check each engine's first 8 requests against the torch path before timing it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: auto on cuda, 512 on cpu)")
     p.add_argument("--block-size", type=int, default=16)

@@ -1,0 +1,24 @@
+"""What every benchmark shares for reporting: progress lines on stderr and an optional pyplot."""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+
+
+def log(message: str) -> None:
+    """A progress line on stderr (stdout keeps the tables)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def pyplot() -> ModuleType | None:
+    """matplotlib.pyplot on the file-only Agg backend, or None (logged) when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed: no plot (pip install 'rlt[bench]')")
+        return None
+    return plt
