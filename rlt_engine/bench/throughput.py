@@ -342,7 +342,11 @@ class Grid:
                                  a.seed + 7919)
                 return [gate.GateJob(j.prompt, j.params) for j in jobs]
 
-            self.references[exit_mode] = gate.reference_run(a.model, self._options(exit_mode), make)
+            # A pool just big enough for the gate requests (up to 16 loop planes): the torch path's
+            # attention gathers whole contexts, and an auto-sized pool would leave it no memory.
+            blocks = gate.GATE_REQUESTS * math.ceil((a.prompt_len + a.output_len) / a.block_size) * 16 + 1
+            options = dict(self._options(exit_mode), num_blocks=a.num_blocks or blocks)
+            self.references[exit_mode] = gate.reference_run(a.model, options, make)
             _free_device(a.device)
             log(f"== gate reference (torch path) for exit={exit_mode}: {time.perf_counter() - t0:.1f} s")
 
