@@ -327,7 +327,7 @@ class Grid:
         return dict(
             device=a.device, dtype=a.dtype, exit_mode=exit_mode, max_num_seqs=max(a.concurrency),
             max_num_batched_tokens=a.max_num_batched_tokens or max(2048, max(a.concurrency)),
-            prefill_chunk_size=a.prefill_chunk_size, num_blocks=a.num_blocks,
+            prefill_chunk_size=a.prefill_chunk_size, num_blocks=a.num_blocks, block_size=a.block_size,
             gpu_memory_utilization=a.gpu_memory_utilization,
         )
 
