@@ -13,7 +13,7 @@ import shutil
 import signal
 import sys
 import tempfile
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rlt_engine.config import EngineConfig
 
@@ -27,14 +27,15 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field (`max_num_seqs` → `--max-num-seqs`)."""
     for field in dataclasses.fields(EngineConfig):
         flag = "--" + field.name.replace("_", "-")
-        default = field.default
+        default, help_text = field.default, field.metadata.get("help", "")
         if isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         else:
             kind = {int: int, float: float}.get(type(default), str)
             if field.name in ("max_loops", "num_blocks"):
                 kind = int
-            parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
+            shown = "" if default is None else f" (default: {default})"  # None defaults explain themselves
+            parser.add_argument(flag, type=kind, default=default, help=help_text + shown)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -81,7 +82,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         prepare_ipc_path(path)  # fail before paying for worker start-up
         frontend = None
         if args.http_port is not None:  # bound now: a port in use fails before worker start-up
-            http = _start_http(args, address, config.model)
+            http = _start_http(args, address, args.model)  # the name the user gave is the API's model id
 
         def on_signal(signum: int, frame: object) -> None:
             if frontend is None:
@@ -92,14 +93,14 @@ def serve_main(argv: list[str] | None = None) -> int:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
-        log.info("starting %d worker(s) for %s on %s (%s)", config.workers, config.model, config.device, config.dtype)
+        log.info("starting %d worker(s) for %s on %s (%s)", config.workers, args.model, config.device, config.dtype)
         engine = LLMEngine(config)
         try:
             frontend = Frontend(engine, address, max_pending=args.max_pending)
             print(f"rlt-serve listening on {address}", flush=True)
             if http is not None:
                 print(f"rlt-serve http on {http.url}", flush=True)
-            print(f"rlt-serve ready on {address} (model {config.model}, {config.workers} worker(s), "
+            print(f"rlt-serve ready on {address} (model {args.model}, {config.workers} worker(s), "
                   f"{config.device}, {config.dtype})", flush=True)
             code = frontend.serve(on_tick=http.check if http is not None else None)
         finally:
@@ -142,10 +143,12 @@ def generate_main(argv: list[str] | None = None) -> int:
     mode.add_argument("--connect", metavar="ADDRESS", help="an rlt-serve address (ipc://PATH)")
     mode.add_argument("--offline", action="store_true", help="run the engine in this process")
     parser.add_argument("--token-ids", action="store_true", help="print token ids and exit depths, not text")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--exit-threshold", type=float, default=None)
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: 64)")
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="sampling temperature, 0 for greedy (default: 1.0, as SamplingParams)")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: drawn and printed)")
+    parser.add_argument("--exit-threshold", type=float, default=None,
+                        help="exit as soon as the policy's signal crosses this (Ouro: exit CDF; default: never early)")
     add_engine_options(parser)
     parser.set_defaults(workers=0)
     args = parser.parse_args(argv)
@@ -165,7 +168,7 @@ def generate_main(argv: list[str] | None = None) -> int:
         print("exit_depths:", output.exit_depths)
     else:
         print(output.text)
-    _summary(output.token_ids, output.exit_depths, output.finish_reason)
+    _summary(output)
     return 0
 
 
@@ -188,21 +191,26 @@ def _generate_remote(address: str, prompt: str, params: object, token_ids: bool)
         print("exit_depths:", output.exit_depths)
     else:
         print()
-    _summary(output.token_ids, output.exit_depths, output.finish_reason)
+    _summary(output)
     return 0 if output.finish_reason != "error" else 1
 
 
-def _summary(token_ids: list[int], exit_depths: list[int], finish_reason: str | None) -> None:
-    mean = sum(exit_depths) / max(len(exit_depths), 1)
-    print(f"[{len(token_ids)} tokens, mean loops/token {mean:.2f}, finish: {finish_reason}]", file=sys.stderr)
+def _summary(output: Any) -> None:
+    mean = sum(output.exit_depths) / max(len(output.exit_depths), 1)
+    print(f"[{len(output.token_ids)} tokens, mean loops/token {mean:.2f}, finish: {output.finish_reason}, "
+          f"seed {output.seed}]", file=sys.stderr)
 
 
 # `rlt-bench NAME …`: each benchmark is a module with main(argv) -> exit status.
-BENCHMARKS = {"throughput": "rlt_engine.bench.throughput", "ipc": "rlt_engine.bench.ipc"}
+BENCHMARKS = {
+    "throughput": "rlt_engine.bench.throughput",
+    "ipc": "rlt_engine.bench.ipc",
+    "quality": "rlt_engine.bench.quality",
+}
 
 
 def bench_main(argv: list[str] | None = None) -> int:
-    """`rlt-bench throughput …`: run one benchmark (`rlt-bench NAME --help` for its options)."""
+    """`rlt-bench throughput|ipc|quality …`: run one benchmark (`rlt-bench NAME --help` for its options)."""
     import importlib
 
     argv = sys.argv[1:] if argv is None else list(argv)

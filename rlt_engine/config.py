@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from protocol.messages import WorkerConfig
+from rlt_engine.checkpoints import DEFAULT_MODEL, resolve_model
 
 EXIT_MODES = ("fixed", "trace", "ouro", "ouro_delayed", "kl", "latent_diff")
 
@@ -17,44 +19,51 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _opt(default: object, help_text: str) -> Any:
+    """A config field whose help text the CLI shows for its flag."""
+    return dataclasses.field(default=default, metadata={"help": help_text})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Every `LLM(...)` option; CLI flags are the same names with dashes."""
 
-    model: str = "toy-ouro"
-    workers: int = 1
-    device: str | None = None  # None = cuda if available, else cpu
-    dtype: str | None = None  # None = bfloat16 on cuda, float32 on cpu
-    max_loops: int | None = None  # None = the model's D
-    state_init: str = "random"
-    exit_mode: str | None = None  # None = ouro for Ouro, fixed for Huginn
+    model: str = _opt(DEFAULT_MODEL, "tiny-ouro-py (shipped, trained), toy-ouro, toy-huginn, "
+                      "synthetic-ouro-1.4b, or a Hugging Face checkpoint directory")
+    workers: int = _opt(1, "worker processes, one per device (0: run the model in the engine process)")
+    device: str | None = _opt(None, "cuda or cpu (default: cuda when a GPU is visible)")
+    dtype: str | None = _opt(None, "float32, bfloat16, float16 or float64 (default: bfloat16 on cuda, float32 on cpu)")
+    max_loops: int | None = _opt(None, "loops D of the shared block per token (default: the model's)")
+    state_init: str = _opt("random", "Huginn's loop-state init: random (seeded per position) or zero")
+    exit_mode: str | None = _opt(None, "fixed, trace, ouro, ouro_delayed, kl or latent_diff "
+                                       "(default: ouro for Ouro, fixed for Huginn)")
     # KV
-    num_blocks: int | None = None  # None = auto on cuda, 512 on cpu
-    block_size: int = 16
-    kv_layout: str = "last_exited"
-    kv_growth: str = "on_demand"
-    gpu_memory_utilization: float = 0.9
+    num_blocks: int | None = _opt(None, "KV blocks per worker (default: from free GPU memory; 512 on cpu)")
+    block_size: int = _opt(16, "positions per KV block")
+    kv_layout: str = _opt("last_exited", "last_exited (a plane per loop depth) or shared (one plane)")
+    kv_growth: str = _opt("on_demand", "on_demand (blocks as positions need them) or reserve (the whole "
+                                       "request's at admission)")
+    gpu_memory_utilization: float = _opt(0.9, "share of GPU memory the worker may use (weights + KV)")
     # Scheduling
-    scheduling: str = "refill"
-    scheduling_policy: str = "fcfs"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    prefill_chunk_size: int = 512
-    preemption: str = "swap"
-    max_bypasses: int = 8
+    scheduling: str = _opt("refill", "refill (a free row takes new work at once) or no_refill (static batches)")
+    scheduling_policy: str = _opt("fcfs", "fcfs or priority (SamplingParams.priority, lower first)")
+    max_num_seqs: int = _opt(64, "requests running at once per worker")
+    max_num_batched_tokens: int = _opt(2048, "token rows per step, prefill and decode together")
+    prefill_chunk_size: int = _opt(512, "prompt positions per prefill chunk")
+    preemption: str = _opt("swap", "when KV runs out: swap (K/V to host memory) or recompute (replay later)")
+    max_bypasses: int = _opt(8, "times a waiting request may be passed over by later ones under priority")
     # Execution
-    attention_backend: str | None = None  # None = triton on cuda, torch on cpu
-    max_plans_in_flight: int = 1
-    # Decode loop passes (RecurrentBatch rows without a signal) replayed from CUDA graphs bucketed
-    # by row count and block-table width. Takes effect on CUDA with Triton attention only.
-    cuda_graphs: bool = True
-    # Most loops one plan runs for a row that cannot exit in between (fixed, trace);
-    # 0 = auto: D on CUDA, 1 on the CPU (where tests read one loop per plan).
-    loops_per_plan: int = 0
-    mixed_batches: bool = False
+    attention_backend: str | None = _opt(None, "torch or triton (default: triton on cuda, torch on cpu)")
+    max_plans_in_flight: int = _opt(1, "plans sent to a worker before its first result is read "
+                                       "(1 = synchronous; pipelining is not built yet)")
+    cuda_graphs: bool = _opt(True, "replay decode loop passes from CUDA graphs bucketed by row count "
+                                   "(CUDA with Triton attention only)")
+    loops_per_plan: int = _opt(0, "most loops one plan runs for a row that cannot exit in between "
+                                  "(0 = auto: D on cuda, 1 on cpu)")
+    mixed_batches: bool = _opt(False, "prefill-chunk and decode rows in one loop pass (not built yet)")
     # Processes
-    restart_workers: bool = False
-    worker_timeout: float = 10.0
+    restart_workers: bool = _opt(False, "start a replacement when a worker dies (its requests replay)")
+    worker_timeout: float = _opt(10.0, "seconds without a heartbeat before a worker counts as lost")
 
     def __post_init__(self) -> None:
         _choice("kv_layout", self.kv_layout, ("last_exited", "shared"))
@@ -74,7 +83,11 @@ class EngineConfig:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("prefill_chunk_size", self.prefill_chunk_size)
-        _positive("max_plans_in_flight", self.max_plans_in_flight)
+        if self.max_plans_in_flight != 1:
+            raise ValueError(f"max_plans_in_flight must be 1 (pipelined plans are not built yet), "
+                             f"got {self.max_plans_in_flight!r}")
+        if self.mixed_batches:
+            raise ValueError("mixed_batches is not built yet: prefill chunks and decode rows run in separate passes")
         _positive("loops_per_plan", self.loops_per_plan, minimum=0)
         if self.num_blocks is not None:
             _positive("num_blocks", self.num_blocks)
@@ -89,7 +102,7 @@ class EngineConfig:
             )
 
     def resolved(self) -> EngineConfig:
-        """The same config with device, dtype and backend defaults filled in."""
+        """The same config with the model's directory and the device, dtype and backend defaults filled in."""
         device = self.device or default_device()
         on_cuda = device.startswith("cuda")
         dtype = self.dtype or ("bfloat16" if on_cuda else "float32")
@@ -100,8 +113,8 @@ class EngineConfig:
         graphs = self.cuda_graphs and on_cuda and backend == "triton"
         loops_per_plan = self.loops_per_plan or (0 if on_cuda else 1)  # 0 stays: D, known once workers are up
         return dataclasses.replace(
-            self, device=device, dtype=dtype, attention_backend=backend, cuda_graphs=graphs,
-            loops_per_plan=loops_per_plan,
+            self, model=resolve_model(self.model), device=device, dtype=dtype, attention_backend=backend,
+            cuda_graphs=graphs, loops_per_plan=loops_per_plan,
         )
 
     def worker_config(self, device: str) -> WorkerConfig:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from protocol.messages import SamplingParams
+from rlt_engine.checkpoints import DEFAULT_MODEL
 from rlt_engine.config import EngineConfig
 from rlt_engine.engine import GenerationOutput, LLMEngine
 
@@ -20,7 +21,7 @@ class LLM:
 
     _ids = itertools.count()
 
-    def __init__(self, model: str = "toy-ouro", **options: object) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, **options: object) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **options))
 
     def generate(

@@ -1,13 +1,15 @@
 """Tokenizers the engine uses for text prompts and output text (no torch).
 
 Toy models use bytes (ids 0–255; specials above are dropped from text). A checkpoint
-directory brings its own `tokenizer.json`, read with the `tokenizers` library.
+directory (a shipped one too) brings its own `tokenizer.json`, read with the `tokenizers` library.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Protocol
+
+from rlt_engine.checkpoints import resolve_model
 
 
 class Tokenizer(Protocol):
@@ -52,8 +54,8 @@ class NoTokenizer:
 
 
 def load_tokenizer(model: str) -> Tokenizer:
-    """The tokenizer that belongs to `model` (a toy name or a checkpoint directory)."""
+    """The tokenizer that belongs to `model` (a toy name, a shipped checkpoint's name or a directory)."""
     if model.startswith("toy-"):
         return ByteTokenizer()
-    path = Path(model) / "tokenizer.json"
+    path = Path(resolve_model(model)) / "tokenizer.json"
     return HFTokenizer(path) if path.exists() else NoTokenizer()

@@ -94,3 +94,27 @@ def test_pass_graph_buckets() -> None:
     assert graphs.bucket(1, 16 * 31 + 3) == (1, 32)  # capped at the table width
     assert graphs.bucket(9, 0) is None
     assert int(Runner.block_tables[8].unique()) == 99
+
+
+@pytest.mark.parametrize("option", [{"max_plans_in_flight": 2}, {"mixed_batches": True}])
+def test_unbuilt_execution_options_are_refused_not_ignored(option: dict) -> None:
+    """Options of the speed issue that do not exist yet fail loudly instead of silently doing nothing."""
+    from rlt_engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="not built yet"):
+        EngineConfig(**option)
+
+
+def test_every_engine_flag_has_help() -> None:
+    """`rlt-serve --help` explains every engine option, not just its default."""
+    import argparse
+    import dataclasses
+
+    from rlt_engine.cli import add_engine_options
+    from rlt_engine.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    helps = {a.dest: a.help for a in parser._actions if a.dest != "help"}
+    assert set(helps) == {f.name for f in dataclasses.fields(EngineConfig)}
+    assert all(h and not h.startswith("(default") for h in helps.values()), helps

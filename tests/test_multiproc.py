@@ -399,7 +399,8 @@ def test_tcp_worker_with_a_wrong_key_is_refused(keys: dict[str, Path]) -> None:
     intruder = _remote_worker(port, keys["engine"], keys["intruder_secret"], hello_timeout=4)
     wrong_server = _remote_worker(port, keys["intruder"], keys["worker_secret"], hello_timeout=4)
     try:
-        executor = MultiprocExecutor(EngineConfig(model="toy-ouro", workers=1, **MODEL_OPTIONS), remote=remote, startup_timeout=3)
+        config = EngineConfig(model="toy-ouro", workers=1, **MODEL_OPTIONS)
+        executor = MultiprocExecutor(config, remote=remote, startup_timeout=3)
         with pytest.raises(WorkerStartupError, match="remote worker 0 never connected"):
             executor.start()
         executor.shutdown()

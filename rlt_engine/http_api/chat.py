@@ -12,6 +12,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from rlt_engine.checkpoints import resolve_model
+
 
 class ChatTemplateError(ValueError):
     """A chat template could not be loaded or rendered (the message says why)."""
@@ -60,7 +62,7 @@ def _token_text(value: Any) -> str | None:
 
 def load_chat_template(model: str) -> ChatTemplate | None:
     """The chat template of checkpoint directory `model`, or None (toy models, no template shipped)."""
-    directory = Path(model)
+    directory = Path(resolve_model(model))
     if model.startswith("toy-") or not directory.is_dir():
         return None
     config: dict[str, Any] = {}

@@ -1,0 +1,74 @@
+"""The text `tiny-ouro-py` learns from and is judged on: the running interpreter's standard library.
+
+Files are the stdlib's `.py` sources, sorted by path, without tests, encoding tables and pydoc
+data; each file's bytes are followed by <eos>. A file whose path hashes to 0 mod 50 is held
+out: the quality benchmark reads only those, the training script never does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+BOS, EOS, PAD = 256, 257, 258
+VOCAB = 264  # bytes, the three specials, five unused rows (a multiple of 8)
+SKIPPED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "encodings", "pydoc_data"})
+HELD_OUT_MODULUS = 50
+
+
+@dataclass(frozen=True)
+class Corpus:
+    train: np.ndarray  # uint16 token ids
+    held_out: np.ndarray
+    files: list[str]  # every file read, relative to the stdlib root
+    sha256: str  # over every path and every byte, in order
+
+    @property
+    def held_out_rule(self) -> str:
+        return f"sha256(path) % {HELD_OUT_MODULUS} == 0"
+
+
+def is_held_out(relative_path: str) -> bool:
+    return int(hashlib.sha256(relative_path.encode()).hexdigest(), 16) % HELD_OUT_MODULUS == 0
+
+
+def stdlib_files() -> tuple[Path, list[str]]:
+    """The standard library's root and its .py files (sorted, relative to the root)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        str(p.relative_to(root)) for p in root.rglob("*.py") if not SKIPPED_DIRS.intersection(p.relative_to(root).parts)
+    )
+    return root, files
+
+
+def load_corpus() -> Corpus:
+    """Read the standard library once and split it into training and held-out token streams."""
+    root, files = stdlib_files()
+    digest = hashlib.sha256()
+    train: list[bytes] = []
+    held_out: list[bytes] = []
+    for relative in files:
+        text = (root / relative).read_bytes()
+        digest.update(relative.encode() + b"\0" + text + b"\0")
+        (held_out if is_held_out(relative) else train).append(text)
+    return Corpus(_join(train), _join(held_out), files, digest.hexdigest())
+
+
+def _join(texts: list[bytes]) -> np.ndarray:
+    parts: list[np.ndarray] = []
+    for text in texts:
+        parts += [np.frombuffer(text, dtype=np.uint8).astype(np.uint16), np.array([EOS], dtype=np.uint16)]
+    return np.concatenate(parts)
+
+
+def held_out_windows(held_out: np.ndarray, length: int, count: int) -> np.ndarray:
+    """`count` evenly spaced windows of `length + 1` tokens, int64 [count, length + 1]: the fixed
+    evaluation set of both the training script and `rlt-bench quality`."""
+    if len(held_out) < length + 2:
+        raise ValueError(f"the held-out text has {len(held_out)} tokens, fewer than a {length + 1}-token window")
+    starts = np.linspace(0, len(held_out) - length - 2, count).astype(np.int64)
+    return np.stack([held_out[s : s + length + 1] for s in starts]).astype(np.int64)
