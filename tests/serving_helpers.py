@@ -1,10 +1,11 @@
 """Real-process helpers of the serving tests: an rlt-serve process and client processes.
 
-`ServerProcess` starts `python -m rlt_engine.cli serve … --device cpu --dtype float64`, waits for
-its ready line and, whatever happens, stops exactly the processes it started (the server and
-the worker processes found as its children). Run as a script (`python serving_helpers.py
-client JOBS.json OUT.json`), this file is a client process: lanes of jobs, each lane a thread
-that streams its jobs one after the other and may abort them, and a JSON report at the end.
+`ServerProcess` starts `python -m rlt_engine.cli serve … --device cpu --dtype float64` (toy-ouro
+unless the arguments name a model), waits for its ready line and, whatever happens, stops
+exactly the processes it started (the server and the worker processes found as its children).
+Run as a script (`python serving_helpers.py client JOBS.json OUT.json`), this file is a client
+process: lanes of jobs, each lane a thread that streams its jobs one after the other and may
+abort them, and a JSON report at the end.
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ class ServerProcess:
 
     def start(self, timeout: float = 180.0) -> ServerProcess:
         """Start the server and wait for its ready line (raises with the log tail if it never comes)."""
+        model = [] if "--model" in self.args else ["--model", "toy-ouro"]
         cmd = [sys.executable, "-m", "rlt_engine.cli", "serve", "--ipc", self.ipc, "--device", "cpu",
-               "--dtype", "float64", *self.args]
+               "--dtype", "float64", *model, *self.args]
         self._log = open(self.log_path, "wb")
         # Its own process group, as a shell job would be: a test can signal the group like Ctrl-C does.
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL, text=True,
