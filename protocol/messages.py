@@ -14,7 +14,9 @@ import msgspec
 
 from protocol.columns import F64, I32, I64, U64, Columnar
 
-PROTOCOL_VERSION = 1
+# Bumped whenever a frame's layout changes, so mixed installs fail at the handshake, by name.
+# 2: CodaBatch.forced_tokens and SamplingParams.forced_tokens (teacher forcing).
+PROTOCOL_VERSION = 2
 
 
 class Stage(enum.IntEnum):
