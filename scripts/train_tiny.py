@@ -190,6 +190,8 @@ def evaluate(model, windows: torch.Tensor, beta: float) -> dict:
 
 
 def train(cfg: TrainConfig, device: str, corpus: Corpus, log_every: int) -> tuple[torch.nn.Module, dict, list]:
+    """(trained model, held-out evaluation, logged history): AdamW on random training windows
+    drawn by a generator seeded with cfg.seed, bf16 autocast on CUDA, float32 on the CPU."""
     torch.manual_seed(cfg.seed)
     config = model_config(cfg.hidden, cfg.layers, cfg.loops, cfg.context)
     model = model_from_state_dict(load_config(config), initial_weights(config, cfg.seed), torch.float32, device)
