@@ -215,7 +215,9 @@ def test_bad_frames_get_errors_and_others_are_served(shared_server, client, offl
 
 @pytest.mark.timeout(120)
 def test_overload_is_refused_at_once(client, offline):
-    params = SamplingParams(max_tokens=6, seed=3)
+    # 120 tokens each (seconds of work): the six must still be live when the refusals are asked
+    # for one after the other, even on a fast runner (with 6 tokens CI once saw them finish first).
+    params = SamplingParams(max_tokens=120, ignore_eos=True, seed=3)
     streams = [client.stream(f"load {i}", params, request_id=f"load{i}") for i in range(6)]
     start = time.monotonic()
     for i in range(6, 9):
