@@ -263,10 +263,14 @@ def _stream_lanes(prefix: str, n_lanes: int, per_lane: int, max_tokens: int, see
              for j in range(per_lane)] for lane in range(n_lanes)]
 
 
+# Long enough that both workers still hold streams when the kill comes, even on a fast runner.
+STREAMED_TOKENS = 96
+
+
 @pytest.mark.timeout(300)
 def test_worker_sigkill_while_clients_stream(make_server, offline, tmp_path):
     server = make_server(workers=2)
-    clients = [ClientProcess(server.address, _stream_lanes(f"c{c}", 2, 1, 24, 1000 * c), tmp_path, f"c{c}")
+    clients = [ClientProcess(server.address, _stream_lanes(f"c{c}", 2, 1, STREAMED_TOKENS, 1000 * c), tmp_path, f"c{c}")
                for c in range(4)]
     try:
         for proc in clients:
@@ -283,7 +287,7 @@ def test_worker_sigkill_while_clients_stream(make_server, offline, tmp_path):
     finally:
         for proc in clients:
             proc.kill()
-    jobs = [job for c in range(4) for lane in _stream_lanes(f"c{c}", 2, 1, 24, 1000 * c) for job in lane]
+    jobs = [job for c in range(4) for lane in _stream_lanes(f"c{c}", 2, 1, STREAMED_TOKENS, 1000 * c) for job in lane]
     expected = dict(zip([j["id"] for j in jobs],
                         reference(offline, [(j["prompt"], SamplingParams(**j["params"])) for j in jobs]), strict=True))
     for report in reports:
