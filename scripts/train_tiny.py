@@ -32,39 +32,27 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rlt_engine.bench.corpus import BOS, EOS, PAD, VOCAB, Corpus, held_out_windows, load_corpus
+from rlt_engine.bench.corpus import Corpus, held_out_windows, load_corpus
 from rlt_worker.models.base import LayerId
 from rlt_worker.models.config import load_config
 from rlt_worker.models.loader import build_model, model_from_state_dict, save_checkpoint
+from rlt_worker.models.toy import TOY_OURO_CONFIG
 
 
 def model_config(hidden: int, layers: int, loops: int, context: int) -> dict:
-    """config.json of the trained model, in Ouro's own keys."""
+    """config.json of the trained model: toy-ouro's (byte vocabulary, special ids, Ouro keys) resized."""
     heads = hidden // 64
     return {
-        "model_type": "ouro",
-        "architectures": ["OuroForCausalLM"],
+        **TOY_OURO_CONFIG,
         "hidden_size": hidden,
         "intermediate_size": 3 * hidden,
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": max(1, heads // 2),
         "head_dim": 64,
-        "vocab_size": VOCAB,
         "max_position_embeddings": context,
-        "rope_theta": 10000.0,
-        "rms_norm_eps": 1e-6,
-        "hidden_act": "silu",
         "total_ut_steps": loops,
-        "early_exit_threshold": 1.0,
-        "tie_word_embeddings": False,
-        "use_sliding_window": False,
-        "sliding_window": None,
         "layer_types": ["full_attention"] * layers,
-        "bos_token_id": BOS,
-        "eos_token_id": EOS,
-        "pad_token_id": PAD,
-        "torch_dtype": "float32",
     }
 
 

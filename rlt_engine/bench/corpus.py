@@ -14,8 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-BOS, EOS, PAD = 256, 257, 258
-VOCAB = 264  # bytes, the three specials, five unused rows (a multiple of 8)
+EOS = 257  # <eos> of the byte vocabulary (toy models, tiny-ouro-py): ends each file
 SKIPPED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "encodings", "pydoc_data"})
 HELD_OUT_MODULUS = 50
 
