@@ -432,34 +432,25 @@ class LoopRow:
         return self.first_depth + self.num_loops - 1
 
 
-def _batches(plan: ExecutionPlan, kind: type) -> list:
-    return [batch for batch in plan.batches if isinstance(batch, kind)]
+def _rows(plan: ExecutionPlan, kind: type, columns: tuple[str, ...]) -> list[tuple]:
+    """The named columns of every `kind` batch of the plan, row by row."""
+    return [row for batch in plan.batches if isinstance(batch, kind)
+            for row in zip(*(batch.col(c).tolist() for c in columns), strict=True)]
 
 
 def loop_rows(plan: ExecutionPlan) -> list[LoopRow]:
-    rows = []
-    for batch in _batches(plan, RecurrentBatch):
-        columns = [batch.col(c).tolist() for c in ("keys", "generations", "positions", "first_depths", "num_loops")]
-        rows.extend(LoopRow(*row) for row in zip(*columns, strict=True))
-    return rows
+    columns = ("keys", "generations", "positions", "first_depths", "num_loops")
+    return [LoopRow(*row) for row in _rows(plan, RecurrentBatch, columns)]
 
 
 def coda_rows(plan: ExecutionPlan) -> list[tuple[int, int, int]]:
     """(key, position, sample index) of every CODA row."""
-    rows = []
-    for batch in _batches(plan, CodaBatch):
-        columns = [batch.col(c).tolist() for c in ("keys", "positions", "sample_indices")]
-        rows.extend(zip(*columns, strict=True))
-    return rows
+    return _rows(plan, CodaBatch, ("keys", "positions", "sample_indices"))
 
 
 def finalize_rows(plan: ExecutionPlan) -> list[tuple[int, int, int]]:
     """(key, position, exit depth) of every FINALIZE row."""
-    rows = []
-    for batch in _batches(plan, FinalizeBatch):
-        columns = [batch.col(c).tolist() for c in ("keys", "positions", "exit_depths")]
-        rows.extend(zip(*columns, strict=True))
-    return rows
+    return _rows(plan, FinalizeBatch, ("keys", "positions", "exit_depths"))
 
 
 def loops_per_position(plans: Iterable[ExecutionPlan]) -> dict[tuple[int, int], list[tuple[int, int]]]:
