@@ -198,6 +198,84 @@ INTERP_CASES: dict[str, Callable[[], None]] = {
 } | {"float64": _interp_float64, "write_kv": _interp_write_kv, "finalize_kv": _interp_finalize_kv}
 
 
+# ---- CPU, interpreter: offsets past 2^31 elements ----------------------------------------------
+# The pools are torch.empty: the OS maps only the pages a case touches, so a pool of several
+# gigabytes costs a few megabytes here. A wrapped 32-bit offset addresses memory outside the pool,
+# which may crash the process, so each case runs in a child of its own.
+
+WIDE_HEADS, WIDE_DIM, WIDE_BLOCK = 2, 16, 16
+WIDE_BLOCK_ELEMENTS = WIDE_BLOCK * WIDE_HEADS * WIDE_DIM
+
+
+def _wide_finalize_layer_stride() -> None:
+    """finalize_kv when a layer's stride is below 2^31 elements but layer × stride is above it
+    (Ouro-1.4B's pools of 1,425–32,767 blocks): every layer's copy lands in its own layer."""
+    layers, planes = 24, 4
+    num_blocks = (2**31 // 20) // (2 * WIDE_BLOCK_ELEMENTS)  # stride ≈ 2^31 / 20: layers 20–23 pass 2^31
+    pool = torch.empty(layers, 2, num_blocks, WIDE_BLOCK, WIDE_HEADS, WIDE_DIM, dtype=torch.float16)
+    assert pool.stride(0) < 2**31 < (layers - 1) * pool.stride(0)
+    tables = torch.tensor([[[p * 8 + 1 + c for c in range(2)] for p in range(planes)]], dtype=torch.int32)
+    slots, positions, depths = torch.tensor([0]), torch.tensor([5]), torch.tensor([1])
+    offset = 5 % WIDE_BLOCK
+    for plane in range(planes):
+        pool[:, :, tables[0, plane, 0], offset] = 0.0
+    values = torch.arange(1, layers * 2 + 1, dtype=torch.float16).view(layers, 2, 1, 1)
+    pool[:, :, tables[0, 0, 0], offset] = values
+    tb.finalize_kv(pool, tables, slots, positions, depths)
+    for plane in range(1, planes):
+        got = pool[:, :, tables[0, plane, 0], offset]
+        assert torch.equal(got, values.expand_as(got)), f"plane {plane} did not receive every layer's K/V"
+
+
+def _wide_layer_view() -> None:
+    """write_kv and paged_attention on blocks past 2^31 elements inside one layer's cache view."""
+    num_blocks = 2**31 // WIDE_BLOCK_ELEMENTS + 64
+    pool = torch.empty(1, 2, num_blocks, WIDE_BLOCK, WIDE_HEADS, WIDE_DIM, dtype=torch.float16)
+    k_cache, v_cache = pool[0, 0], pool[0, 1]
+    assert k_cache.stride(0) * (num_blocks - 1) > 2**31
+    gen = torch.Generator().manual_seed(3)
+    top = torch.arange(num_blocks - 8, num_blocks)  # only blocks past the 2^31 mark
+    for cache in (k_cache, v_cache):
+        cache[top] = torch.randn(len(top), WIDE_BLOCK, WIDE_HEADS, WIDE_DIM, generator=gen).half()
+    block_tables = top[torch.randperm(8, generator=gen)].view(2, 4).to(torch.int32)
+    context_lens = torch.tensor([50, 9], dtype=torch.int32)
+    slots = (block_tables[:, 0].long() * WIDE_BLOCK + torch.tensor([3, 8])).contiguous()
+    k = torch.randn(2, WIDE_HEADS, WIDE_DIM, generator=gen).half()
+    v = torch.randn(2, WIDE_HEADS, WIDE_DIM, generator=gen).half()
+    tb.write_kv(k_cache, v_cache, k, v, slots)
+    flat_k, flat_v = k_cache.view(-1, WIDE_HEADS, WIDE_DIM), v_cache.view(-1, WIDE_HEADS, WIDE_DIM)
+    assert torch.equal(flat_k[slots], k) and torch.equal(flat_v[slots], v)
+    q = torch.randn(2, 2 * WIDE_HEADS, WIDE_DIM, generator=gen).half()
+    got = tb.paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=0.25)
+    want = torch_ref.paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale=0.25)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+WIDE_CASES: dict[str, Callable[[], None]] = {
+    "finalize-layer-stride": _wide_finalize_layer_stride,
+    "write-and-attend-past-2^31": _wide_layer_view,
+}
+
+
+def _interp_child(*args: str) -> subprocess.CompletedProcess[str]:
+    """This file run as a child with TRITON_INTERPRET=1 (see the note above _interp_attention)."""
+    root = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    return subprocess.run([sys.executable, str(Path(__file__).resolve()), *args],
+                          env=env, cwd=root, capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.parametrize("case", list(WIDE_CASES))
+def test_interpreter_offsets_past_2_31(case: str) -> None:
+    """Each WIDE_CASES case passes in a child of its own (a wrapped offset may crash it)."""
+    proc = _interp_child("--wide-case", case)
+    assert proc.returncode == 0, (
+        f"{case}: the child ended with {proc.returncode} (a negative code is a signal: a 32-bit offset "
+        f"wrapped and the kernel addressed memory outside the pool)\n{proc.stdout}\n{proc.stderr}"
+    )
+
+
 def _run_interp_cases() -> dict[str, str]:
     """Child process body: every case's verdict, "ok" or its traceback."""
     verdicts = {}
@@ -213,13 +291,7 @@ def _run_interp_cases() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def interp_verdicts() -> dict[str, str]:
     """Run all interpreter cases once in a child with TRITON_INTERPRET=1."""
-    root = Path(__file__).resolve().parents[1]
-    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--interp-cases"],
-        env=env, cwd=root, capture_output=True, text=True, timeout=240,
-    )
+    proc = _interp_child("--interp-cases")
     assert proc.returncode == 0, f"interpreter child failed:\n{proc.stdout}\n{proc.stderr}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -345,3 +417,5 @@ def test_gpu_finalize_kv(compiled: None) -> None:
 
 if __name__ == "__main__" and sys.argv[1:] == ["--interp-cases"]:
     print(json.dumps(_run_interp_cases()))
+if __name__ == "__main__" and sys.argv[1:2] == ["--wide-case"]:
+    WIDE_CASES[sys.argv[2]]()

@@ -69,8 +69,10 @@ def _attn_kernel(
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_F64: tl.constexpr,
 ):
     """One (row, kv head, split): online-softmax attention of the head group over its token span."""
-    row = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # Program ids are int32 and Triton passes a stride below 2^31 as int32, so a product of the
+    # two wraps silently: every index that scales a stride is widened first (here and below).
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     acc_dtype = tl.float64 if ACC_F64 else tl.float32
 
@@ -157,8 +159,8 @@ def _merge_kernel(
     ACC_F64: tl.constexpr,
 ):
     """One (row, q head): merge the splits' partial softmax states into the output."""
-    row = tl.program_id(0)
-    head = tl.program_id(1)
+    row = tl.program_id(0).to(tl.int64)  # int64: see _attn_kernel
+    head = tl.program_id(1).to(tl.int64)
     sp = tl.arange(0, S_PAD)
     d = tl.arange(0, D_PAD)
     sp_ok = sp < NUM_SPLITS
@@ -187,7 +189,7 @@ def _write_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
 ):
     """One token: its K and V [Hkv, Dh] into cache slot slot_mapping[n]."""
-    n = tl.program_id(0)
+    n = tl.program_id(0).to(tl.int64)  # int64: see _attn_kernel
     h = tl.arange(0, H_PAD)
     d = tl.arange(0, D_PAD)
     ok = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
@@ -211,10 +213,12 @@ def _finalize_kv_kernel(
 ):
     """Program (row, plane, layer·2 + K/V): if plane ≥ the row's exit depth e, copy the row's
     [Hkv, Dh] tile at its position from plane e − 1 into this plane."""
-    row = tl.program_id(0)
-    plane = tl.program_id(1)
-    layer_kv = tl.program_id(2)
-    depth = tl.load(depth_ptr + row)
+    row = tl.program_id(0).to(tl.int64)
+    plane = tl.program_id(1).to(tl.int64)
+    # int64 before `layer × stride_pl`: the per-layer stride of a pool of 1,425–32,767 blocks of
+    # Ouro-1.4B is below 2^31 (so Triton passes it as int32) while layer × stride is above it.
+    layer_kv = tl.program_id(2).to(tl.int64)
+    depth = tl.load(depth_ptr + row).to(tl.int64)
     if plane >= depth:
         slot = tl.load(slot_ptr + row).to(tl.int64)
         pos = tl.load(pos_ptr + row).to(tl.int64)
