@@ -1,28 +1,38 @@
-"""The throughput benchmark's correctness gate: before an engine is timed, its first requests
-must equal the torch path's (SPEC §7a).
+"""The throughput benchmark's correctness gate: before an engine is timed, its outputs must equal
+the torch path's in float32 (SPEC §7a), so the gate catches bugs and not rounding.
 
-The torch path (torch attention, no CUDA graphs, one loop per plan, in this process) generates
-the gate requests once per exit mode. Each engine under test then generates the same requests.
-A request passes when its exit depths are the reference's and its tokens are too, up to the
-first divergence whose decision margin is within the dtype's tolerance: the engine's own
-logprob gap between its token and the reference's, measured by teacher forcing the reference's
-tokens (`forced_tokens`). Such a near-tie may flip with rounding; what follows it is not
-compared.
+    reference   the torch path (torch attention, no CUDA graphs, one loop per plan, in this
+                process) runs the gate requests once per exit mode, in the gate dtype (float32)
+    check       an engine of the configuration under test, built in the gate dtype, runs the same
+                requests: exit depths must be the reference's, and tokens too, up to the first
+                decision whose margin is below the dtype's tolerance (1e-4 nats in float32; such a
+                near-tie may flip with rounding, and what follows it is not compared)
+    divergence  the timed engine (bf16) runs them as well; where it parts from the reference is
+                reported, never failed: the output index and the gap there, in nats and in units
+                in the last place (ulps) of the bf16 logit, since in bf16 the paths part at
+                decisions one to a few ulps apart
+
+A margin is the engine's own logprob gap between its token and the reference's, measured by
+teacher forcing the reference's tokens (`forced_tokens`); in one row it equals the logit gap.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from protocol.messages import SamplingParams
+from protocol.messages import CodaBatch, ExecutionPlan, SamplingParams
 
 GATE_REQUESTS = 8
-# Largest logprob gap (nats) a rounding difference may flip, per dtype.
-TOLERANCE_NATS = {"float64": 1e-9, "float32": 1e-4, "float16": 5e-2, "bfloat16": 5e-2}
+GATE_DTYPE = "float32"
+# Largest logprob gap (nats) a rounding difference may flip (SPEC §7a: 1e-4 below float64).
+TOLERANCE_NATS = {"float64": 1e-9, "float32": 1e-4}
+# Explicit mantissa bits: one ulp of x is 2^(floor(log2 |x|) − bits).
+MANTISSA_BITS = {"bfloat16": 7, "float16": 10, "float32": 23, "float64": 52}
 
 
 @dataclass(frozen=True)
@@ -31,9 +41,19 @@ class GateJob:
     params: SamplingParams
 
 
+@dataclass(frozen=True)
+class Reference:
+    """The torch path's outputs of the gate jobs, and the largest logit of each of its CODA rows."""
+
+    jobs: list[GateJob]
+    outputs: list[Any]
+    top_logits: list[list[float]]  # [request][output index]
+
+
 @dataclass
 class GateResult:
     requests: int
+    dtype: str = GATE_DTYPE
     equal: int = 0
     near_ties: list[dict[str, float]] = field(default_factory=list)  # {"request", "index", "margin"}
     failures: list[str] = field(default_factory=list)
@@ -43,7 +63,7 @@ class GateResult:
         return not self.failures
 
     def summary(self) -> str:
-        text = f"{self.equal}/{self.requests} equal to the torch path"
+        text = f"{self.dtype}: {self.equal}/{self.requests} equal to the torch path"
         if self.near_ties:
             ties = ", ".join(f"request {t['request']} at token {t['index']} (gap {t['margin']:.2g})"
                              for t in self.near_ties)
@@ -53,52 +73,141 @@ class GateResult:
         return text
 
 
+@dataclass
+class Divergence:
+    """Where an engine of another dtype parts from the float32 reference (reported, not judged)."""
+
+    requests: int
+    dtype: str
+    equal: int = 0
+    # {"request", "index", "gap_nats", "gap_ulps", "top_logit"}, or {"request", "index", "exit_depths"}
+    first: list[dict[str, Any]] = field(default_factory=list)
+
+    def summary(self) -> str:
+        text = f"{self.dtype}: {self.equal}/{self.requests} equal to the float32 torch path"
+        parts = []
+        for d in self.first:
+            if "gap_ulps" in d:
+                parts.append(f"request {d['request']} at token {d['index']} ({d['gap_nats']:.3g} nats = "
+                             f"{d['gap_ulps']:.2g} ulps at |logit| {abs(d['top_logit']):.3g})")
+            else:
+                parts.append(f"request {d['request']} at token {d['index']} ({d['reason']})")
+        return text + ("; first divergences: " + ", ".join(parts) if parts else "")
+
+
+def torch_path_options(engine_options: dict[str, Any], dtype: str = GATE_DTYPE) -> dict[str, Any]:
+    """The reference configuration: `engine_options` on the torch path, in-process, in `dtype`."""
+    return {**engine_options, "dtype": dtype, "workers": 0, "attention_backend": "torch", "cuda_graphs": False,
+            "loops_per_plan": 1}
+
+
 def reference_run(
-    model: str, engine_options: dict[str, Any], make: Callable[[int, int], list[GateJob]]
-) -> tuple[list[GateJob], list[Any]]:
-    """The gate's jobs (`make(vocab, depth)`, built once the model is known) and the torch path's outputs."""
+    model: str, engine_options: dict[str, Any], make: Callable[[int, int], list[GateJob]], dtype: str = GATE_DTYPE
+) -> Reference:
+    """The gate's jobs (`make(vocab, depth)`, built once the model is known) run on the torch path."""
     from rlt_engine.llm import LLM
 
-    options = {**engine_options, "workers": 0, "attention_backend": "torch", "cuda_graphs": False,
-               "loops_per_plan": 1}
-    with LLM(model, **options) as llm:
+    with LLM(model, **torch_path_options(engine_options, dtype)) as llm:
         jobs = make(llm.engine.model_info.vocab_size, llm.engine.max_depth)
-        return jobs, _generate(llm, jobs)
+        recorded = record_coda_logits(llm, lambda row: float(row.max()))
+        outputs = _generate(llm, jobs)
+    keys = sorted({key for key, _ in recorded})  # request keys count up in submission order
+    top = [[recorded[(key, i)] for i in range(len(out.token_ids))] for key, out in zip(keys, outputs, strict=True)]
+    return Reference(jobs, outputs, top)
 
 
-def check(
-    llm: Any, jobs: Sequence[GateJob], reference: Sequence[Any], dtype: str, tolerance: float | None = None
-) -> GateResult:
-    """Run the jobs on `llm` and compare them with the reference outputs (tolerance: the dtype's by default)."""
-    result = GateResult(requests=len(jobs))
+def record_coda_logits(llm: Any, keep: Callable[[Any], Any]) -> dict[tuple[int, int], Any]:
+    """`keep(logits row)` of every sampled CODA row, by (request key, output index).
+
+    In-process engines only (workers=0): it wraps the worker's model's LM head.
+    """
+    recorded: dict[tuple[int, int], Any] = {}
+    pending: list[tuple[list[int], list[int]]] = []
+
+    def on_plan(worker: int, plan: ExecutionPlan) -> None:
+        for batch in plan.batches:
+            if isinstance(batch, CodaBatch):
+                indices = batch.col("sample_indices")
+                sampled = indices >= 0
+                if sampled.any():  # the runner calls the head only when some row samples
+                    pending.append((batch.col("keys")[sampled].tolist(), indices[sampled].tolist()))
+
+    model = llm.engine.executor._worker.runner.model
+    real_head = model.lm_head
+
+    def head(hidden: Any) -> Any:
+        logits = real_head(hidden)
+        keys, indices = pending.pop(0)
+        for row, (key, index) in enumerate(zip(keys, indices, strict=True)):
+            recorded[(key, index)] = keep(logits[row])
+        return logits
+
+    llm.engine.add_plan_listener(on_plan)
+    object.__setattr__(model, "lm_head", head)  # an instance attribute shadows the method
+    return recorded
+
+
+def check(llm: Any, reference: Reference, dtype: str = GATE_DTYPE, tolerance: float | None = None) -> GateResult:
+    """Run the jobs on `llm` (built in `dtype`) and judge its outputs against the reference."""
+    result = GateResult(requests=len(reference.jobs), dtype=dtype)
     tolerance = TOLERANCE_NATS[dtype] if tolerance is None else tolerance
-    for i, (job, got, want) in enumerate(zip(jobs, _generate(llm, jobs), reference, strict=True)):
-        index = first_difference(got.token_ids, want.token_ids)
-        if index is None:
-            if got.exit_depths == want.exit_depths:
-                result.equal += 1
-            else:
-                result.failures.append(f"request {i}: exit depths {got.exit_depths} vs {want.exit_depths}")
-            continue
-        if index >= min(len(got.token_ids), len(want.token_ids)):
-            result.failures.append(f"request {i}: {len(got.token_ids)} tokens, the torch path {len(want.token_ids)}")
-            continue
-        if got.exit_depths[:index + 1] != want.exit_depths[:index + 1]:
-            result.failures.append(f"request {i}: exit depths differ before token {index}")
-            continue
-        depths = job.params.exit_depths
-        forced = msgspec.structs.replace(job.params, max_tokens=index + 1, forced_tokens=want.token_ids[: index + 1],
-                                         exit_depths=None if depths is None else depths[: index + 1])
-        (scored,) = _generate(llm, [GateJob(job.prompt, forced)])
-        margin = got.logprobs[index] - scored.logprobs[index]
-        if margin <= tolerance:
-            result.near_ties.append({"request": i, "index": index, "margin": margin})
+    outputs = _generate(llm, reference.jobs)
+    for i, (job, got, want) in enumerate(zip(reference.jobs, outputs, reference.outputs, strict=True)):
+        parted = _first_divergence(llm, job, got, want)
+        if parted is None:
+            result.equal += 1
+        elif isinstance(parted, str):
+            result.failures.append(f"request {i}: {parted}")
+        elif parted[1] <= tolerance:
+            result.near_ties.append({"request": i, "index": parted[0], "margin": parted[1]})
         else:
+            index, margin = parted
             result.failures.append(
                 f"request {i}: token {index} is {got.token_ids[index]}, the torch path's {want.token_ids[index]}, "
                 f"with a logprob gap of {margin:.3g} nats (tolerance {tolerance:g} for {dtype})"
             )
     return result
+
+
+def divergence(llm: Any, reference: Reference, dtype: str) -> Divergence:
+    """Run the jobs on `llm` (built in `dtype`) and report where each request first parts from the reference."""
+    report = Divergence(requests=len(reference.jobs), dtype=dtype)
+    outputs = _generate(llm, reference.jobs)
+    for i, (job, got, want) in enumerate(zip(reference.jobs, outputs, reference.outputs, strict=True)):
+        parted = _first_divergence(llm, job, got, want)
+        if parted is None:
+            report.equal += 1
+        elif isinstance(parted, str):
+            index = first_difference(got.exit_depths, want.exit_depths)
+            report.first.append({"request": i, "index": index, "reason": parted})
+        else:
+            index, gap = parted
+            top = reference.top_logits[i][index]
+            report.first.append({"request": i, "index": index, "gap_nats": gap, "top_logit": top,
+                                 "gap_ulps": gap / ulp(top, dtype)})
+    return report
+
+
+def ulp(x: float, dtype: str) -> float:
+    """One unit in the last place of `dtype` at |x|."""
+    return 2.0 ** (math.floor(math.log2(max(abs(x), 2.0**-126))) - MANTISSA_BITS[dtype])
+
+
+def _first_divergence(llm: Any, job: GateJob, got: Any, want: Any) -> tuple[int, float] | str | None:
+    """None if `got` equals `want`; else (first differing token, its margin), or why it cannot be judged."""
+    index = first_difference(got.token_ids, want.token_ids)
+    if index is None:
+        return None if got.exit_depths == want.exit_depths else (
+            f"exit depths {got.exit_depths} vs {want.exit_depths}")
+    if index >= min(len(got.token_ids), len(want.token_ids)):
+        return f"{len(got.token_ids)} tokens, the torch path {len(want.token_ids)}"
+    if got.exit_depths[: index + 1] != want.exit_depths[: index + 1]:
+        return f"exit depths differ before token {index}"
+    depths = job.params.exit_depths
+    forced = msgspec.structs.replace(job.params, max_tokens=index + 1, forced_tokens=want.token_ids[: index + 1],
+                                     exit_depths=None if depths is None else depths[: index + 1])
+    (scored,) = _generate(llm, [GateJob(job.prompt, forced)])
+    return index, got.logprobs[index] - scored.logprobs[index]
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:

@@ -6,10 +6,14 @@ c requests in flight until 2·c (`--requests-factor`) have been submitted, each 
 
     exit fixed   every generated position runs D loops
     exit trace   a fixed seeded mix of depths 1 … D after the first token, mean `--trace-mean`
+    exit ouro    Ouro's gate decides, at `--ouro-threshold` (the synthetic model's gate gives a
+                 mean near 2.5 loops per generated token at the default; the measured mean is
+                 reported)
 
-Before an engine is timed, its first 8 requests (the same prompts and trace depths in every
-engine) are checked against the torch path's (`--gate`, see rlt_engine/bench/gate.py); an engine
-that fails is reported, not timed.
+Before an engine is timed, the configuration is gated (`--gate`, see rlt_engine/bench/gate.py):
+the same engine configuration built in float32 must give the torch path's tokens and exit depths
+on 8 requests of mixed prompt lengths (an engine that fails is reported, not timed); the timed
+engine (bf16) then runs them too, and where it parts from the float32 reference is reported.
 
 Reported per configuration (median over `--repeats` timed runs after an untimed warm-up):
 output tokens/s, TTFT p50, ITL p50/p99, mean loops per output token, peak GPU memory, and at
@@ -21,6 +25,7 @@ as partial; medians use the complete runs when there is one), and the whole grid
 `--total-seconds`: each configuration gets a share of what is left, weighted 1 + log2(c)/7.
 
     rlt-bench throughput                                 # Ouro-1.4B shape, bf16 on CUDA, the full grid
+    rlt-bench throughput --json grid.json --resume       # finish a grid an earlier call left unfinished
     rlt-bench throughput --model toy-ouro --device cpu --prompt-len 16 --output-len 8 --concurrency 1,4
 """
 
@@ -46,6 +51,8 @@ from rlt_engine.bench import gate
 from rlt_engine.bench.report import log, pyplot
 
 HBM_TBPS = 4.3  # H200 device-to-device copy rate measured here (KINDS.md), bytes read + written
+EXIT_MODES = ("fixed", "trace", "ouro")
+OURO_THRESHOLD = 0.6  # see --ouro-threshold; measured in docs/benchmarks.md
 
 # ---------------------------------------------------------------------------- workload
 
@@ -84,18 +91,32 @@ class Job:
     params: SamplingParams
 
 
-def make_jobs(
-    n: int, prompt_len: int, output_len: int, vocab: int, exit_mode: str, depth: int, trace_mean: float, seed: int
-) -> list[Job]:
-    """n requests; the same seed gives the same prompts and trace depths in every run."""
+@dataclass(frozen=True)
+class Workload:
+    """What every request of a run asks for, besides its prompt."""
+
+    output_len: int
+    exit_mode: str  # fixed | trace | ouro
+    depth: int  # D
+    trace_mean: float = 2.5
+    ouro_threshold: float = 1.0
+
+
+def make_jobs(n: int, prompt_lens: int | Sequence[int], vocab: int, work: Workload, seed: int) -> list[Job]:
+    """n requests of `prompt_lens` tokens (one length, or one per request); the same seed gives the
+    same prompts and trace depths in every run."""
     rng = random.Random(seed)
-    weights = depth_weights(depth, trace_mean) if exit_mode == "trace" else None
+    lens = [prompt_lens] * n if isinstance(prompt_lens, int) else list(prompt_lens)
+    weights = depth_weights(work.depth, work.trace_mean) if work.exit_mode == "trace" else None
     jobs = []
-    for _ in range(n):
+    for prompt_len in lens:
         prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
-        options: dict[str, Any] = dict(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+        options: dict[str, Any] = dict(max_tokens=work.output_len, temperature=0.0, ignore_eos=True)
         if weights is not None:
-            options["exit_depths"] = [depth] + rng.choices(range(1, depth + 1), weights, k=output_len - 1)
+            tail = rng.choices(range(1, work.depth + 1), weights, k=work.output_len - 1)
+            options["exit_depths"] = [work.depth, *tail]
+        if work.exit_mode == "ouro":
+            options["exit_threshold"] = work.ouro_threshold
         jobs.append(Job(prompt, SamplingParams(**options)))
     return jobs
 
@@ -307,19 +328,35 @@ class Grid:
         self.results: list[ConfigResult] = []
         self.meta: dict[str, Any] = {}
         self.deadline = time.perf_counter() + args.total_seconds
-        self.references: dict[str, tuple[list[gate.GateJob], list[Any]]] = {}  # exit mode → (jobs, torch outputs)
+        self.references: dict[str, gate.Reference] = {}  # exit mode → the torch path's gate outputs
+        self.depth = 0  # D, known once the first engine (the gate's reference) is up
+
+    @property
+    def gate_dtype(self) -> str:
+        return "float64" if self.args.dtype == "float64" else gate.GATE_DTYPE
+
+    def resume(self, path: str) -> None:
+        """Keep an earlier run's finished configurations (from its --json file); the rest run again."""
+        meta, results = results_from_json(path)
+        self.meta.update({k: v for k, v in meta.items() if k in ("gate", "engine")})
+        self.results = [r for r in results if r.runs and not r.error]
+        log(f"== resuming {path}: {len(self.results)} configuration(s) already measured")
+
+    def _pending(self, workers: int, exit_mode: str) -> list[int]:
+        done = {(r.workers, r.exit_mode, r.concurrency) for r in self.results}
+        return [c for c in self.args.concurrency if (workers, exit_mode, c) not in done]
 
     @staticmethod
     def weight(concurrency: int) -> float:
         """A configuration's share of the time left grows slowly with its concurrency (bigger runs)."""
         return 1.0 + math.log2(concurrency) / 7
 
-    def budget(self, done: int) -> float:
+    def budget(self, concurrency: int) -> float:
         """Seconds for the next configuration's timed runs: its weighted share of what is left, ≤ max-seconds."""
         a = self.args
-        grid = [c for _ in a.workers for _ in a.exit for c in a.concurrency]
+        todo = [c for w in a.workers for e in a.exit for c in self._pending(w, e)]
         left = max(0.0, self.deadline - time.perf_counter())
-        share = self.weight(grid[done]) / sum(self.weight(c) for c in grid[done:])
+        share = self.weight(concurrency) / sum(self.weight(c) for c in todo)
         return min(a.max_seconds, left * share)
 
     def _options(self, exit_mode: str) -> dict[str, Any]:
@@ -331,134 +368,188 @@ class Grid:
             gpu_memory_utilization=a.gpu_memory_utilization,
         )
 
+    def _engine_options(self, workers: int, exit_mode: str) -> dict[str, Any]:
+        a = self.args
+        options = dict(self._options(exit_mode), workers=workers, attention_backend=a.attention_backend,
+                       loops_per_plan=a.loops_per_plan)
+        if a.cuda_graphs is not None:
+            options["cuda_graphs"] = a.cuda_graphs
+        return options
+
+    def workload(self, exit_mode: str, output_len: int) -> Workload:
+        a = self.args
+        return Workload(output_len, exit_mode, self.depth, a.trace_mean, a.ouro_threshold)
+
+    def _gate_pool(self) -> int:
+        """KV blocks for the gate requests alone, every plane (Huginn's outer one too; up to 16 loop
+        planes while D is unknown): the torch path's attention gathers whole contexts into fresh memory."""
+        a = self.args
+        planes = self.depth + 1 if self.depth else 17
+        return a.num_blocks or gate.GATE_REQUESTS * math.ceil((a.prompt_len + a.output_len) / a.block_size) * planes + 1
+
     def _gate_references(self) -> None:
         """The torch path's outputs of the gate requests, once per exit mode (before any engine under test)."""
         a = self.args
         for exit_mode in a.exit:
+            if not any(self._pending(w, exit_mode) for w in a.workers):
+                continue
             t0 = time.perf_counter()
 
             def make(vocab: int, depth: int, mode: str = exit_mode) -> list[gate.GateJob]:
-                jobs = make_jobs(gate.GATE_REQUESTS, a.prompt_len, a.output_len, vocab, mode, depth, a.trace_mean,
+                self.depth = depth
+                # Mixed lengths up to the benchmark's prompt length: ragged rows, every split count.
+                lens = [max(1, a.prompt_len * (i + 1) // gate.GATE_REQUESTS) for i in range(gate.GATE_REQUESTS)]
+                jobs = make_jobs(len(lens), lens, vocab, self.workload(mode, min(a.output_len, a.gate_output_len)),
                                  a.seed + 7919)
                 return [gate.GateJob(j.prompt, j.params) for j in jobs]
 
-            # A pool just big enough for the gate requests (up to 16 loop planes): the torch path's
-            # attention gathers whole contexts, and an auto-sized pool would leave it no memory.
-            blocks = gate.GATE_REQUESTS * math.ceil((a.prompt_len + a.output_len) / a.block_size) * 16 + 1
-            options = dict(self._options(exit_mode), num_blocks=a.num_blocks or blocks)
-            self.references[exit_mode] = gate.reference_run(a.model, options, make)
+            options = dict(self._options(exit_mode), num_blocks=self._gate_pool())
+            self.references[exit_mode] = gate.reference_run(a.model, options, make, self.gate_dtype)
             _free_device(a.device)
-            log(f"== gate reference (torch path) for exit={exit_mode}: {time.perf_counter() - t0:.1f} s")
+            log(f"== gate reference (torch path, {self.gate_dtype}) for exit={exit_mode}: "
+                f"{time.perf_counter() - t0:.1f} s")
 
     def run(self) -> None:
-        from rlt_engine.llm import LLM
-
         a = self.args
         if a.gate:
             self._gate_references()
-        done = 0
         for workers in a.workers:
             for exit_mode in a.exit:
-                options = dict(self._options(exit_mode), workers=workers, attention_backend=a.attention_backend,
-                               loops_per_plan=a.loops_per_plan)
-                if a.cuda_graphs is not None:
-                    options["cuda_graphs"] = a.cuda_graphs
-                log(f"== workers={workers} exit={exit_mode}: starting the engine")
-                t0 = time.perf_counter()
-                try:
-                    llm = LLM(a.model, **options)
-                except Exception as exc:  # e.g. workers=1 not available: report and go on
-                    log(f"   engine failed to start: {type(exc).__name__}: {exc}")
-                    for c in a.concurrency:
-                        self.results.append(ConfigResult(workers, exit_mode, c, error=f"{type(exc).__name__}: {exc}"))
-                        done += 1
-                    self.save()
+                pending = self._pending(workers, exit_mode)
+                if not pending:
                     continue
-                try:
-                    done = self._engine_grid(llm, workers, exit_mode, done, time.perf_counter() - t0)
-                finally:
-                    llm.close()
-                    del llm
-                    _free_device(a.device)
+                key = f"workers={workers},exit={exit_mode}"
+                options = self._engine_options(workers, exit_mode)
+                if a.gate and not self._gate(key, options, exit_mode):
+                    self._fail(workers, exit_mode, pending, "correctness gate failed (see meta.gate)")
+                    continue
+                self._timed_engine(key, options, workers, exit_mode, pending)
 
-    def _engine_grid(self, llm: Any, workers: int, exit_mode: str, done: int, startup_s: float) -> int:
-        a = self.args
-        engine = llm.engine
-        depth, info = engine.max_depth, engine.model_info
-        kv = engine.kv_managers[0]
-        log(f"   ready in {startup_s:.1f} s: {kv.num_blocks} KV blocks of {a.block_size} positions × {kv.num_planes} "
-            f"planes, D = {depth}")
-        self.meta.setdefault("engine", {})[f"workers={workers},exit={exit_mode}"] = {
-            "startup_s": startup_s, "num_blocks": kv.num_blocks, "num_planes": kv.num_planes, "depth": depth,
-        }
-        vocab = info.vocab_size
-        if exit_mode in self.references and not self._gate(llm, workers, exit_mode):
-            for c in a.concurrency:
-                failed = ConfigResult(workers, exit_mode, c, error="correctness gate failed (see meta.gate)")
-                self.results.append(failed)
-            self.save()
-            return done + len(a.concurrency)
-        if a.warmup:
-            t0 = time.perf_counter()
-            # One request at full length (every split count the c = 1 decode uses), then many short
-            # ones (the single-split kernels of wide decode batches): Triton compiles outside the timing.
-            warm = make_jobs(1, a.prompt_len, a.output_len, vocab, exit_mode, depth, a.trace_mean, a.seed + 999)
-            closed_loop(engine, warm, 1, time.perf_counter() + 120)
-            short = make_jobs(24, min(a.prompt_len, 40), min(a.output_len, 8), vocab, exit_mode, depth,
-                              a.trace_mean, a.seed + 998)
-            closed_loop(engine, short, 24, time.perf_counter() + 120)
-            log(f"   warm-up {time.perf_counter() - t0:.1f} s")
-        for c in a.concurrency:
-            config = ConfigResult(workers, exit_mode, c)
-            graphs_before = _graph_stats(engine)
-            budget = self.budget(done)
-            deadline = time.perf_counter() + budget
-            _reset_peak(a.device, workers)
-            try:
-                for repeat in range(a.repeats):
-                    # Start another run only if one as long as the last still fits the budget.
-                    if repeat and time.perf_counter() + config.runs[-1]["elapsed_s"] > deadline:
-                        break
-                    jobs = make_jobs(a.requests_factor * c, a.prompt_len, a.output_len, vocab, exit_mode, depth,
-                                     a.trace_mean, a.seed + c)
-                    run = closed_loop(engine, jobs, c, deadline)
-                    config.runs.append(run.summary())
-                    s = config.runs[-1]
-                    log(f"   c={c:<4} run {repeat + 1}: {s['tokens_per_s']:9.1f} tok/s  "
-                        f"{s['output_tokens']} tokens in {s['elapsed_s']:.1f} s"
-                        + ("  (partial: budget reached)" if s["partial"] else ""))
-                    if run.partial:
-                        break
-            except Exception as exc:
-                config.error = f"{type(exc).__name__}: {exc}"
-                log(f"   c={c}: failed: {config.error}")
-            config.memory = _cuda_memory(a.device, workers)
-            graphs_after = _graph_stats(engine)
-            if graphs_after is not None:
-                config.graphs = {k: graphs_after[k] - (graphs_before or {}).get(k, 0)
-                                 for k in ("replays", "eager_passes", "captures", "capture_s", "rows", "padded_rows")}
-                log(f"   c={c} graph counters: {config.graphs}")
-            pool = _kv_pool_bytes(info, kv.num_blocks, a.block_size, engine.config.dtype)
-            config.memory["kv_pool_gib"] = pool / 2**30
-            keys = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "loops_per_token",
-                    "loops_per_generated_token", "elapsed_s")
-            config.median = {k: _median(config.runs, k) for k in keys}
-            config.median["runs"] = sum(not r["partial"] for r in config.runs) or len(config.runs)
-            config.median["partial"] = all(r["partial"] for r in config.runs)
-            config.median["budget_s"] = budget
-            if c == 1:
-                config.floor = self._floor(config, engine.config.dtype)
-            self.results.append(config)
-            self.save()
-            done += 1
-        return done
+    def _start(self, options: dict[str, Any]) -> tuple[Any, float] | str:
+        """An engine of `options` and its start-up time, or why it did not start."""
+        from rlt_engine.llm import LLM
 
-    def _gate(self, llm: Any, workers: int, exit_mode: str) -> bool:
-        jobs, reference = self.references[exit_mode]
-        result = gate.check(llm, jobs, reference, llm.engine.config.dtype)
-        self.meta.setdefault("gate", {})[f"workers={workers},exit={exit_mode}"] = dataclasses.asdict(result)
-        log(f"   gate: {result.summary()}")
+        t0 = time.perf_counter()
+        try:
+            return LLM(self.args.model, **options), time.perf_counter() - t0
+        except Exception as exc:  # e.g. workers=1 not available: report and go on
+            log(f"   engine failed to start: {type(exc).__name__}: {exc}")
+            return f"{type(exc).__name__}: {exc}"
+
+    def _close(self, llm: Any) -> None:
+        llm.close()
+        del llm
+        _free_device(self.args.device)
+
+    def _fail(self, workers: int, exit_mode: str, pending: list[int], error: str) -> None:
+        for c in pending:
+            self.results.append(ConfigResult(workers, exit_mode, c, error=error))
+        self.save()
+
+    def _gate(self, key: str, options: dict[str, Any], exit_mode: str) -> bool:
+        """The configuration built in the gate dtype must equal the torch path (the verdict goes to meta.gate)."""
+        log(f"== {key}: gate ({self.gate_dtype}, {gate.GATE_REQUESTS} requests)")
+        t0 = time.perf_counter()
+        started = self._start(dict(options, dtype=self.gate_dtype, num_blocks=self._gate_pool()))
+        if isinstance(started, str):
+            self.meta.setdefault("gate", {})[key] = {"error": started}
+            return False
+        llm, _ = started
+        try:
+            result = gate.check(llm, self.references[exit_mode], self.gate_dtype)
+        finally:
+            self._close(llm)
+        self.meta.setdefault("gate", {})[key] = dataclasses.asdict(result)
+        log(f"   gate: {result.summary()} ({time.perf_counter() - t0:.1f} s)")
         return result.passed
+
+    def _timed_engine(self, key: str, options: dict[str, Any], workers: int, exit_mode: str,
+                      pending: list[int]) -> None:
+        a = self.args
+        log(f"== {key}: starting the engine")
+        started = self._start(options)
+        if isinstance(started, str):
+            self._fail(workers, exit_mode, pending, started)
+            return
+        llm, startup_s = started
+        try:
+            engine = llm.engine
+            self.depth = engine.max_depth
+            kv = engine.kv_managers[0]
+            log(f"   ready in {startup_s:.1f} s: {kv.num_blocks} KV blocks of {a.block_size} positions × "
+                f"{kv.num_planes} planes, D = {self.depth}")
+            self.meta.setdefault("engine", {})[key] = {
+                "startup_s": startup_s, "num_blocks": kv.num_blocks, "num_planes": kv.num_planes, "depth": self.depth,
+            }
+            if exit_mode in self.references and a.dtype != self.gate_dtype:
+                report = gate.divergence(llm, self.references[exit_mode], a.dtype)
+                self.meta["gate"][key]["divergence"] = dataclasses.asdict(report)
+                log(f"   against the float32 reference: {report.summary()}")
+            if a.warmup:
+                self._warm_up(engine, exit_mode)
+            for c in pending:
+                self.results.append(self._measure(engine, workers, exit_mode, c))
+                self.save()
+        finally:
+            self._close(llm)
+
+    def _warm_up(self, engine: Any, exit_mode: str) -> None:
+        a = self.args
+        t0 = time.perf_counter()
+        vocab = engine.model_info.vocab_size
+        # One request at full length (every split count the c = 1 decode uses), then many short
+        # ones (the single-split kernels of wide decode batches): Triton compiles outside the timing.
+        warm = make_jobs(1, a.prompt_len, vocab, self.workload(exit_mode, a.output_len), a.seed + 999)
+        closed_loop(engine, warm, 1, time.perf_counter() + 120)
+        short = make_jobs(24, min(a.prompt_len, 40), vocab, self.workload(exit_mode, min(a.output_len, 8)),
+                          a.seed + 998)
+        closed_loop(engine, short, 24, time.perf_counter() + 120)
+        log(f"   warm-up {time.perf_counter() - t0:.1f} s")
+
+    def _measure(self, engine: Any, workers: int, exit_mode: str, c: int) -> ConfigResult:
+        """Up to --repeats timed closed-loop runs at concurrency c within the configuration's budget."""
+        a = self.args
+        config = ConfigResult(workers, exit_mode, c)
+        graphs_before = _graph_stats(engine)
+        budget = self.budget(c)
+        deadline = time.perf_counter() + budget
+        _reset_peak(a.device, workers)
+        try:
+            for repeat in range(a.repeats):
+                # Start another run only if one as long as the last still fits the budget.
+                if repeat and time.perf_counter() + config.runs[-1]["elapsed_s"] > deadline:
+                    break
+                jobs = make_jobs(a.requests_factor * c, a.prompt_len, engine.model_info.vocab_size,
+                                 self.workload(exit_mode, a.output_len), a.seed + c)
+                run = closed_loop(engine, jobs, c, deadline)
+                config.runs.append(run.summary())
+                s = config.runs[-1]
+                log(f"   c={c:<4} run {repeat + 1}: {s['tokens_per_s']:9.1f} tok/s  "
+                    f"{s['output_tokens']} tokens in {s['elapsed_s']:.1f} s"
+                    + ("  (partial: budget reached)" if s["partial"] else ""))
+                if run.partial:
+                    break
+        except Exception as exc:
+            config.error = f"{type(exc).__name__}: {exc}"
+            log(f"   c={c}: failed: {config.error}")
+        config.memory = _cuda_memory(a.device, workers)
+        graphs_after = _graph_stats(engine)
+        if graphs_after is not None:
+            config.graphs = {k: graphs_after[k] - (graphs_before or {}).get(k, 0)
+                             for k in ("replays", "eager_passes", "captures", "capture_s", "rows", "padded_rows")}
+            log(f"   c={c} graph counters: {config.graphs}")
+        kv = engine.kv_managers[0]
+        config.memory["kv_pool_gib"] = _kv_pool_bytes(engine.model_info, kv.num_blocks, a.block_size,
+                                                      engine.config.dtype) / 2**30
+        keys = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "loops_per_token",
+                "loops_per_generated_token", "elapsed_s")
+        config.median = {k: _median(config.runs, k) for k in keys}
+        config.median["runs"] = sum(not r["partial"] for r in config.runs) or len(config.runs)
+        config.median["partial"] = all(r["partial"] for r in config.runs)
+        config.median["budget_s"] = budget
+        if c == 1:
+            config.floor = self._floor(config, engine.config.dtype)
+        return config
 
     def _floor(self, config: ConfigResult, dtype: str) -> dict[str, Any] | None:
         a = self.args
@@ -633,15 +724,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--concurrency", type=_csv_ints, default=[1, 32, 128])
     p.add_argument("--requests-factor", type=int, default=2, help="requests per run = factor × concurrency")
-    p.add_argument("--exit", type=_csv, default=["fixed", "trace"], help="fixed and/or trace")
+    p.add_argument("--exit", type=_csv, default=list(EXIT_MODES), help="any of fixed, trace, ouro")
     p.add_argument("--trace-mean", type=float, default=2.5, help="mean depth of generated positions under trace")
+    p.add_argument("--ouro-threshold", type=float, default=OURO_THRESHOLD,
+                   help="exit threshold of every request under ouro (the synthetic model's gate gives a mean "
+                        "near 2.5 loops per generated token at the default)")
     p.add_argument("--workers", type=_csv_ints, default=[0, 1])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-seconds", type=float, default=45.0, help="timed seconds per configuration")
     p.add_argument("--total-seconds", type=float, default=480.0, help="seconds for the whole grid, warm-ups included")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--gate", action=argparse.BooleanOptionalAction, default=True,
-                   help="check each engine's first 8 requests against the torch path before timing it")
+                   help="before timing a configuration, its float32 build must equal the torch path on 8 requests")
+    p.add_argument("--gate-output-len", type=int, default=48, help="output tokens of each gate request")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: auto on cuda, 512 on cpu)")
     p.add_argument("--block-size", type=int, default=16)
@@ -653,13 +748,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="decode loop passes from CUDA graphs (default: the engine's, on for CUDA + Triton)")
     p.add_argument("--loops-per-plan", type=int, default=0, help="0 = the engine's default (D on CUDA, 1 on CPU)")
     p.add_argument("--hbm-tbps", type=float, default=HBM_TBPS, help="HBM bandwidth of the floor, TB/s")
-    p.add_argument("--json", default=None, help="write the raw numbers here")
+    p.add_argument("--json", default=None, help="write the raw numbers here (rewritten after every configuration)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the configurations already measured in the --json file and run only the rest")
     p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
     p.add_argument("--from-json", default=None, help="only tabulate/plot an earlier --json file")
     args = p.parse_args(argv)
     for mode in args.exit:
-        if mode not in ("fixed", "trace"):
-            p.error(f"--exit takes fixed and/or trace, not {mode!r}")
+        if mode not in EXIT_MODES:
+            p.error(f"--exit takes any of {', '.join(EXIT_MODES)}, not {mode!r}")
+    if args.resume and not args.json:
+        p.error("--resume needs --json FILE (the grid to continue)")
     if args.output_len < 1 or args.prompt_len < 1 or min(args.concurrency) < 1:
         p.error("--prompt-len, --output-len and every concurrency must be ≥ 1")
     return args
@@ -679,12 +778,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     resolved = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, workers=0).resolved()
     args.device, args.dtype = resolved.device, resolved.dtype
     grid = Grid(args)
+    if args.resume and os.path.exists(args.json):
+        grid.resume(args.json)
     grid.meta.update(environment(args.device))
     grid.meta["conditions"] = {
         "model": args.model, "dtype": args.dtype, "prompt_len": args.prompt_len, "output_len": args.output_len,
         "requests_factor": args.requests_factor, "trace_mean": args.trace_mean, "repeats": args.repeats,
         "max_seconds": args.max_seconds, "total_seconds": args.total_seconds, "block_size": args.block_size,
         "prefill_chunk_size": args.prefill_chunk_size, "attention_backend": resolved.attention_backend,
+        "ouro_threshold": args.ouro_threshold, "gate_dtype": grid.gate_dtype, "gate_output_len": args.gate_output_len,
         "cuda_graphs": args.cuda_graphs, "loops_per_plan": args.loops_per_plan,
         "sampling": "greedy, ignore_eos",
     }
