@@ -5,6 +5,11 @@
   of the top two, or |CDF − threshold| of an Ouro exit); the index is reported if one exists.
 - The Ouro-1.4B shape in bf16 (synthetic weights), 64 concurrent requests: the CODA logits of
   the Triton path match the torch path within bf16 tolerance, and no NaN appears.
+- The Ouro-1.4B shape in float32: torch eager, Triton eager and Triton graphs with D loops per
+  plan give the same tokens and exit depths (trace and ouro exits; the benchmark gate's rule).
+- KV pools sized so that a 32-bit offset would wrap (a per-layer stride below 2^31 elements with
+  layer × stride above it; a stride above 2^31), both layouts, trace and ouro exits: every run
+  completes, and the float32 runs equal the torch path.
 
 Skipped without CUDA. Run on the device machine: python -m pytest -m gpu tests/test_gpu.py -s
 """
@@ -12,15 +17,19 @@ Skipped without CUDA. Run on the device machine: python -m pytest -m gpu tests/t
 from __future__ import annotations
 
 import gc
+import math
 import random
 import zlib
 from collections.abc import Callable
 
+import msgspec
 import pytest
 import torch
 
-from protocol.messages import CodaBatch, ExecutionPlan, SamplingParams
+from protocol.messages import SamplingParams
 from rlt_engine import LLM
+from rlt_engine.bench import gate
+from rlt_engine.bench.throughput import OURO_THRESHOLD
 from rlt_worker.models import reference
 from rlt_worker.models.base import LoopedModel
 from rlt_worker.models.loader import load_model
@@ -216,31 +225,8 @@ Logits = dict[tuple[int, int], torch.Tensor]  # (request key, output index) → 
 
 
 def _record_logits(llm: LLM) -> Logits:
-    """Record every CODA's logits by request key and output index (workers=0: the model is in-process)."""
-    recorded: Logits = {}
-    pending: list[tuple[list[int], list[int]]] = []
-
-    def on_plan(worker: int, plan: ExecutionPlan) -> None:
-        for batch in plan.batches:
-            if isinstance(batch, CodaBatch):
-                indices = batch.col("sample_indices")
-                keep = indices >= 0
-                if keep.any():  # the runner calls the head only when some row samples
-                    pending.append((batch.col("keys")[keep].tolist(), indices[keep].tolist()))
-
-    model = llm.engine.executor._worker.runner.model
-    real_head: Callable[[torch.Tensor], torch.Tensor] = model.lm_head
-
-    def head(hidden: torch.Tensor) -> torch.Tensor:
-        logits = real_head(hidden)
-        keys, indices = pending.pop(0)
-        for row, (key, index) in enumerate(zip(keys, indices, strict=True)):
-            recorded[(key, index)] = logits[row].float().cpu()
-        return logits
-
-    llm.engine.add_plan_listener(on_plan)
-    object.__setattr__(model, "lm_head", head)
-    return recorded
+    """Every CODA's logits [V] (float32, CPU) by (request key, output index); workers=0."""
+    return gate.record_coda_logits(llm, lambda row: row.float().cpu())
 
 
 def _synthetic_run(backend: str, prompts: list[list[int]], params: SamplingParams) -> tuple[Logits, list]:
@@ -292,3 +278,104 @@ def test_ouro_1_4b_bf16_triton_matches_torch() -> None:
     assert compared >= 64
     assert worst_cos > 0.99, f"triton vs torch logits: cosine {worst_cos}"
     assert worst_rel < 0.1, f"triton vs torch logits: max|Δ|/max|logit| {worst_rel}"
+
+
+# ---------------------------------------------------------------------------- float32 at real shapes
+
+
+# Ouro-1.4B's widths with 2 layers: a per-layer stride above 2^31 elements (33,000 blocks) in 17 GB
+# of float32 instead of the 24-layer model's 208 GB.
+TWO_LAYERS = "synthetic-ouro-1.4b-2-layers"
+WRAP_POOLS = {
+    # model → blocks: layer stride 196.6 M elements < 2^31 < 23 × stride (the illegal access at db2ad25)
+    "synthetic-ouro-1.4b": 3000,
+    TWO_LAYERS: 33000,  # stride 2.16 G elements > 2^31
+}
+_references: dict[tuple[str, str, str], gate.Reference] = {}
+
+
+@pytest.fixture
+def two_layer_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Register TWO_LAYERS for in-process (workers=0) engines."""
+    from rlt_worker.models import synthetic
+
+    monkeypatch.setitem(synthetic.SYNTHETIC_MODELS, TWO_LAYERS,
+                        {**synthetic.SYNTHETIC_MODELS["synthetic-ouro-1.4b"], "num_hidden_layers": 2})
+
+
+def _gate_jobs(mode: str) -> Callable[[int, int], list[gate.GateJob]]:
+    """8 requests, prompts of 16–300 tokens, 16 outputs; trace depths mixed, ouro at the bench's threshold."""
+
+    def make(vocab: int, depth: int) -> list[gate.GateJob]:
+        rng = random.Random(zlib.crc32(mode.encode()))
+        jobs = []
+        for i in range(8):
+            options: dict[str, object] = dict(max_tokens=16, temperature=0.0, ignore_eos=True)
+            if mode == "trace":
+                options["exit_depths"] = [depth] + [1 + (i + j) % depth for j in range(15)]
+            else:
+                options["exit_threshold"] = OURO_THRESHOLD
+            jobs.append(gate.GateJob([rng.randrange(vocab) for _ in range(16 + 40 * i)], SamplingParams(**options)))
+        return jobs
+
+    return make
+
+
+def _torch_reference(model: str, layout: str, mode: str) -> gate.Reference:
+    """The torch path's float32 outputs of _gate_jobs (cached: several tests compare against one)."""
+    key = (model, layout, mode)
+    if key not in _references:
+        options = dict(device="cuda", exit_mode=mode, kv_layout=layout, num_blocks=1024, max_num_seqs=16)
+        _references[key] = gate.reference_run(model, options, _gate_jobs(mode))
+        _free_cuda()
+    return _references[key]
+
+
+def _check_float32(model: str, layout: str, mode: str, **options: object) -> gate.GateResult:
+    reference = _torch_reference(model, layout, mode)
+    llm = LLM(model, workers=0, device="cuda", dtype="float32", exit_mode=mode, kv_layout=layout,
+              attention_backend="triton", max_num_seqs=16, **options)
+    try:
+        result = gate.check(llm, reference)
+    finally:
+        llm.close()
+        _free_cuda()
+    print(f"\n{model} {layout} {mode} {options}: {result.summary()}")
+    return result
+
+
+@pytest.mark.parametrize("mode", ["trace", "ouro"])
+@pytest.mark.parametrize("variant", [
+    dict(cuda_graphs=False, loops_per_plan=1),  # Triton eager
+    dict(cuda_graphs=True, loops_per_plan=0),  # Triton graphs, D loops per plan where the policy allows
+])
+def test_ouro_1_4b_float32_triton_equals_torch(mode: str, variant: dict) -> None:
+    result = _check_float32("synthetic-ouro-1.4b", "last_exited", mode, num_blocks=1024, **variant)
+    assert result.passed, result.summary()
+    assert len({tuple(o.exit_depths) for o in _references[("synthetic-ouro-1.4b", "last_exited", mode)].outputs}) > 1
+
+
+@pytest.mark.parametrize("mode", ["trace", "ouro"])
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+@pytest.mark.parametrize("model", list(WRAP_POOLS))
+def test_pools_past_32_bit_offsets(model: str, layout: str, mode: str, two_layer_model: None) -> None:
+    """A pool whose K/V offsets pass 2^31 elements runs to the end and equals the torch path (float32)."""
+    result = _check_float32(model, layout, mode, num_blocks=WRAP_POOLS[model])
+    assert result.passed, result.summary()
+
+
+def test_ouro_1_4b_bf16_mid_sized_pool_completes() -> None:
+    """bf16 with 20,000 blocks (per-layer stride 1.31 G elements, 23 × stride past 2^31): every request
+    completes with finite logprobs (this pool raised an illegal memory access at db2ad25)."""
+    make = _gate_jobs("trace")
+    llm = LLM("synthetic-ouro-1.4b", workers=0, device="cuda", dtype="bfloat16", exit_mode="trace",
+              num_blocks=20000, max_num_seqs=16)
+    try:
+        jobs = make(llm.engine.model_info.vocab_size, llm.engine.max_depth)
+        params = [msgspec.structs.replace(j.params, logprobs=1) for j in jobs]
+        outputs = llm.generate([j.prompt for j in jobs], params, use_tqdm=False)
+    finally:
+        llm.close()
+        _free_cuda()
+    assert [o.finish_reason for o in outputs] == ["length"] * len(jobs)
+    assert all(math.isfinite(lp) for o in outputs for lp in o.logprobs)
