@@ -281,6 +281,20 @@ def test_interpreter_matches_torch_ref(interp_verdicts: dict[str, str], case: st
     assert verdict == "ok", verdict
 
 
+def test_bench_script_smoke(tmp_path: Path) -> None:
+    """scripts/bench_prefill_kernel.py runs end to end (--smoke: tiny shapes, CPU interpreter) and writes its JSON."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(root / "scripts" / "bench_prefill_kernel.py"), "--smoke", "--sweep", "--json", str(out)],
+        cwd=root, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(out.read_text())["results"]
+    assert len(results) == 4 and all(r["max_abs_err"] < 1e-4 and r["kernel_ms"] > 0 for r in results)
+    assert [("sdpa_ms" in r) for r in results] == [r["prefix"] == 0 for r in results]
+
+
 # ---- GPU, compiled: Ouro-1.4B and Huginn shapes ----------------------------------------------
 
 OURO = dict(num_heads=16, num_kv_heads=16, head_dim=128, block_size=16)
@@ -291,13 +305,23 @@ OURO_CHUNKS = [(0, 512), (512, 512), (0, 1024), (300, 77), (1001, 1), (17, 130)]
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype,atol,rtol", [(torch.bfloat16, 2e-2, 2e-2), (torch.float32, 2e-5, 2e-5)])
-@pytest.mark.parametrize("tiles", [{}, {"block_m": 64, "block_n": 32}, {"block_m": 128, "block_n": 128}],
-                         ids=["default", "m64-n32", "m128-n128"])
-def test_gpu_ouro_shapes(compiled: None, dtype: torch.dtype, atol: float, rtol: float, tiles: dict) -> None:
-    """Ouro-1.4B heads over 3 planes, strided pool with NaN in every unreadable slot; tile choices the bench tries."""
+def test_gpu_ouro_shapes(compiled: None, dtype: torch.dtype, atol: float, rtol: float) -> None:
+    """Ouro-1.4B heads over 3 planes, strided pool with NaN in every unreadable slot, default tiles."""
     batch = make_chunks(**OURO, planes=3, chunks=OURO_CHUNKS, dtype=dtype, device="cuda", strided_pool=True,
                         poison=True)
-    check(batch, atol=atol, rtol=rtol, chunk_group=1, **tiles)
+    check(batch, atol=atol, rtol=rtol, chunk_group=1)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("tiles", [dict(block_m=64, block_n=32, num_warps=4), dict(block_m=128, block_n=128),
+                                   dict(block_m=64, block_n=64, num_stages=3)], ids=["m64-n32", "m128-n128", "m64-s3"])
+def test_gpu_ouro_tiles(compiled: None, tiles: dict) -> None:
+    """bf16 at other tile sets (those the benchmark's sweep may pick), and a one-chunk batch (block_m 64 heuristic)."""
+    batch = make_chunks(**OURO, planes=3, chunks=OURO_CHUNKS, dtype=torch.bfloat16, device="cuda", poison=True)
+    check(batch, atol=2e-2, rtol=2e-2, chunk_group=1, **tiles)
+    one = make_chunks(**OURO, planes=1, chunks=[(512, 512)], dtype=torch.bfloat16, device="cuda")
+    check(one, atol=2e-2, rtol=2e-2)
 
 
 @gpu
