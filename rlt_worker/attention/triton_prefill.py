@@ -14,10 +14,12 @@ block-table row per chunk:
         tl.dot (bf16 in, fp32 accumulate; fp32 with ieee, SPEC §7a), causal mask, online softmax
         in fp32 (log2 domain).
 
-                 keys →   0 ……………… prefix ……………… p_s ……… p_s + n_s − 1
-    chunk s rows  p_s      ██████████████████████████  ▘
-                  …        ██████████████████████████  ██▖
-                  p_s+n_s−1 ██████████████████████████  █████
+        keys →             0 ………… p_s − 1 | p_s ………… p_s + n_s − 1
+        row p_s            ███████████████ | █
+        row p_s + 1        ███████████████ | ██
+        …                  ███████████████ | ……
+        row p_s + n_s − 1  ███████████████ | ██████████
+                           the paged prefix  the chunk itself (causal)
 
     Tiles past a chunk's length (the grid is sized by the longest chunk) return at once.
 
