@@ -86,7 +86,8 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
 
-    last = start + tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1  # the tile's last position
+    first = start + tile * BLOCK_Q  # the tile's first and last positions
+    last = start + tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len) - 1
     table = bt_ptr + chunk * stride_bts
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
@@ -106,8 +107,9 @@ def _prefill_kernel(
         v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
-        # Causal: key t ≤ the row's position (which also keeps t ≤ last for every stored row).
-        s = tl.where(t[None, :] <= pos[:, None], s, float("-inf"))
+        if t0 + BLOCK_N > first:  # keys wholly before the tile's first position need no mask
+            # Causal: key t ≤ the row's position (which also keeps t ≤ last for every stored row).
+            s = tl.where(t[None, :] <= pos[:, None], s, float("-inf"))
 
         # Finite: key t0 ≤ the tile's first position, so every row sees ≥ 1 key in the first tile,
         # and a later tile that masks a whole row leaves its m_i as it was (alpha = 1, p = 0).
