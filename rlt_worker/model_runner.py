@@ -43,7 +43,7 @@ from rlt_worker.attention import get_backend
 from rlt_worker.cuda_graphs import LoopPassGraphs
 from rlt_worker.kv_storage import LAST_EXITED, KVStorage
 from rlt_worker.models.base import LoopedModel
-from rlt_worker.paged_context import PagedContext, PagedPlaneView
+from rlt_worker.paged_context import PagedContext, PagedPlaneView, PrefillChunks
 from rlt_worker.philox import truncated_normal
 from rlt_worker.sampler import SamplingTensors, sample
 from rlt_worker.step_results import ResultBuilder
@@ -261,21 +261,25 @@ class ModelRunner:
 
     def _context(
         self, slots: torch.Tensor, positions: torch.Tensor, depths: torch.Tensor | None, width: int,
-        outer: bool = True,
+        outer: bool = True, chunks: PrefillChunks | None = None,
     ) -> PagedContext:
         """Views of each row's depth plane (when depths are given) and of the outer plane (unless not `outer`).
 
-        Tables are trimmed to `width` columns (the batch's longest row), which the attention
-        backends read as the batch's longest context (the Triton split heuristic among them).
+        With `chunks` (a PREFILL batch), slots and depths are per chunk, [S], and the views hold
+        one block-table row per chunk. Tables are trimmed to `width` columns (the batch's longest
+        row), which the attention backends read as the batch's longest context (the Triton split
+        heuristic among them).
         """
         block_size = self.storage.block_size
         tables = self.block_tables[:, :, :width]
+        table_rows = None if chunks is None else chunks.table_rows
         loop_view = outer_view = None
         if depths is not None:
-            loop_view = PagedPlaneView(tables[slots, self._loop_plane(depths)], positions, block_size)
+            loop_view = PagedPlaneView(tables[slots, self._loop_plane(depths)], positions, block_size, table_rows)
         if outer and self.model.info.num_outer_kv_layers:
-            outer_view = PagedPlaneView(tables[:, self.config.num_planes - 1][slots], positions, block_size)
-        return PagedContext(self.storage, self._backend, positions, loop_view, outer_view)
+            outer_tables = tables[:, self.config.num_planes - 1][slots]
+            outer_view = PagedPlaneView(outer_tables, positions, block_size, table_rows)
+        return PagedContext(self.storage, self._backend, positions, loop_view, outer_view, chunks)
 
     def _initial_state(self, embedded: torch.Tensor, seeds: np.ndarray, positions: torch.Tensor) -> torch.Tensor:
         noise = None
@@ -297,18 +301,28 @@ class ModelRunner:
         row_slots = self._slots(batch.col("keys"), batch.col("generations"))
         starts = batch.col("start_positions")
         host_positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, query_lens, strict=True)])
-        slots, positions, tokens, last, rows = self._upload(
-            np.repeat(row_slots, query_lens), host_positions, batch.col("token_ids"),
-            np.cumsum(query_lens) - 1, row_slots,
+        cu_query_lens = np.concatenate([[0], np.cumsum(query_lens)])
+        positions, tokens, rows, start_positions, cu, table_rows = self._upload(
+            host_positions, batch.col("token_ids"), row_slots, starts, cu_query_lens,
+            np.repeat(np.arange(len(row_slots)), query_lens),
         )
+        # Chunks attend through the backend's prefill kernel, unless every chunk is one position
+        # (SHARED always): then a row is its chunk and the decode kernel serves them.
+        max_query_len = int(query_lens.max())
+        chunks = PrefillChunks(cu, start_positions, table_rows, max_query_len) if max_query_len > 1 else None
         width = self._width(host_positions)
-        embedded = self.model.embed(tokens, positions, self._context(slots, positions, None, width))
+
+        def context(depth: int | None) -> PagedContext:
+            depths = None if depth is None else torch.full_like(rows, depth)
+            return self._context(rows, positions, depths, width, chunks=chunks)
+
+        embedded = self.model.embed(tokens, positions, context(None))
         state = self._initial_state(embedded, np.repeat(batch.col("seeds"), query_lens), positions)
         for depth in range(1, self.config.max_loops + 1):
-            depths = torch.full_like(positions, depth)
-            state = self.model.loop(state, embedded, positions, self._context(slots, positions, depths, width))
+            state = self.model.loop(state, embedded, positions, context(depth))
         if self.model.info.num_outer_kv_layers:  # Huginn: coda K/V of every prompt position
-            self.model.coda(state, positions, self._context(slots, positions, None, width))
+            self.model.coda(state, positions, context(None))
+        last = cu[1:] - 1  # each chunk's last row
         self.state[rows] = state[last]
         self.embedded[rows] = embedded[last]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -10,12 +11,36 @@ from rlt_worker.kv_storage import KVStorage
 from rlt_worker.models.base import LayerId
 
 
-class PagedPlaneView:
-    """Where a batch's rows read and write one plane family: block table rows and write slots."""
+@dataclass(frozen=True)
+class PrefillChunks:
+    """A PREFILL batch's rows as whole chunks, one per sequence (the prefill kernel's metadata):
 
-    def __init__(self, block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> None:
-        self.block_tables = block_tables  # int32 [N, max_blocks], each row's plane
-        rows = torch.arange(len(positions), device=positions.device)
+        rows:            | chunk 0: p0 … p0+n0−1 | chunk 1: p1 … p1+n1−1 | …
+        cu_query_lens    = [0, n0, n0 + n1, …]     int [S + 1]
+        start_positions  = [p0, p1, …]             int [S]
+        table_rows[r]    = the chunk of row r      int [N] (each view's block tables are per chunk)
+        max_query_len    = max n_s, on the host    (sizes the kernel's grid without a readback)
+    """
+
+    cu_query_lens: torch.Tensor
+    start_positions: torch.Tensor
+    table_rows: torch.Tensor
+    max_query_len: int
+
+
+class PagedPlaneView:
+    """Where a batch's rows read and write one plane family: block table rows and write slots.
+
+    block_tables has one row per query row, or one per chunk when `table_rows` (row → table row)
+    is given.
+    """
+
+    def __init__(
+        self, block_tables: torch.Tensor, positions: torch.Tensor, block_size: int,
+        table_rows: torch.Tensor | None = None,
+    ) -> None:
+        self.block_tables = block_tables  # int32 [N or S, max_blocks], each row's (or chunk's) plane
+        rows = torch.arange(len(positions), device=positions.device) if table_rows is None else table_rows
         blocks = block_tables[rows, positions // block_size].long()
         self.slot_mapping = blocks * block_size + positions % block_size
 
@@ -24,7 +49,9 @@ class PagedContext:
     """Implements models.base.AttentionContext over the worker's KV pool.
 
     Loop layers use `loop_view` (each row's depth plane); layers outside the loop use
-    `outer_view` (one version per position). Every row reads positions 0 … its own.
+    `outer_view` (one version per position). Every row reads positions 0 … its own: through
+    the backend's prefill_attention when the rows come as `chunks` (views with one table row
+    per chunk), else through paged_attention, one row at a time.
     """
 
     def __init__(
@@ -34,12 +61,14 @@ class PagedContext:
         positions: torch.Tensor,
         loop_view: PagedPlaneView | None,
         outer_view: PagedPlaneView | None,
+        chunks: PrefillChunks | None = None,
     ) -> None:
         self._storage = storage
         self._backend = backend
-        self._context_lens = (positions + 1).to(torch.int32)
+        self._context_lens = (positions + 1).to(torch.int32) if chunks is None else None
         self._loop_view = loop_view
         self._outer_view = outer_view
+        self._chunks = chunks
 
     def attend(self, layer: LayerId, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         view = self._loop_view if layer.in_loop else self._outer_view
@@ -48,4 +77,10 @@ class PagedContext:
         k_cache, v_cache = self._storage.caches(layer.index)
         self._backend.write_kv(k_cache, v_cache, k, v, view.slot_mapping)
         scale = q.shape[-1] ** -0.5
-        return self._backend.paged_attention(q, k_cache, v_cache, view.block_tables, self._context_lens, scale)
+        chunks = self._chunks
+        if chunks is None:
+            return self._backend.paged_attention(q, k_cache, v_cache, view.block_tables, self._context_lens, scale)
+        return self._backend.prefill_attention(
+            q, k_cache, v_cache, view.block_tables, chunks.cu_query_lens, chunks.start_positions, scale,
+            max_query_len=chunks.max_query_len,
+        )

@@ -1,7 +1,7 @@
 """Attention backends: `torch` (CPU path and oracle) and `triton` (CUDA default).
 
-A backend module provides write_kv, paged_attention and finalize_kv with the signatures of
-torch_ref.
+A backend module provides write_kv, paged_attention, prefill_attention and finalize_kv with the
+signatures of torch_ref (the Triton prefill kernel lives in triton_prefill).
 """
 
 from __future__ import annotations

@@ -1,10 +1,14 @@
 """Paged attention in plain torch: the CPU path and the oracle of the Triton kernels.
 
-Every query row is one token with its own block table and context length (its position
-+ 1), so decode rows at mixed loop depths and prefill-chunk rows share one call:
+paged_attention: every query row is one token with its own block table and context length
+(its position + 1), so decode rows at mixed loop depths and prefill-chunk rows share one call:
 
     row i:  block_tables[i] = [b0, b1, …]   context_lens[i] = position_i + 1
             reads cache slots b0*bs … b0*bs+bs−1, b1*bs …, up to context_lens[i] − 1
+
+prefill_attention: the rows come as whole chunks, one per sequence, with one block-table row
+per sequence (the Triton prefill kernel's contract; see chunk_rows for the row layout). Here it
+is the per-row definition above, applied row by row, so the CPU path's numbers do not change.
 """
 
 from __future__ import annotations
@@ -79,3 +83,44 @@ def finalize_kv(
     dst = torch.where(deeper, blocks * block_size + offsets, src)
     flat = kv_pool.view(layers, two, -1, num_kv_heads, head_dim)
     flat[:, :, dst.reshape(-1)] = flat[:, :, src.expand_as(dst).reshape(-1)]
+
+
+def chunk_rows(
+    cu_query_lens: torch.Tensor, start_positions: torch.Tensor, num_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chunk index, position) of every row of a chunked batch, int64 [num_rows] each.
+
+        rows:           | chunk 0: n0 rows | chunk 1: n1 rows | …
+        cu_query_lens   = [0, n0, n0 + n1, …]            [S + 1]
+        start_positions = [p0, p1, …]                     [S]  (each chunk's first position)
+        row r of chunk s is at position p_s + (r − cu_query_lens[s])
+
+    Computed on the device from shapes alone (searchsorted, no readback).
+    """
+    cu = cu_query_lens.long()
+    rows = torch.arange(num_rows, device=cu.device)
+    chunks = torch.searchsorted(cu[1:], rows, right=True)
+    return chunks, start_positions.long()[chunks] + rows - cu[chunks]
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    start_positions: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of prefill chunks q [N, Hq, Dh] over their paged prefix and themselves.
+
+    Chunk s's rows are q[cu_query_lens[s] : cu_query_lens[s + 1]], at positions start_positions[s] …;
+    each reads positions 0 … its own through block_tables[s] (int [S, max_blocks], one row per
+    chunk). The chunk's own K/V must already be in the cache (write_kv first). max_query_len (the
+    longest chunk, host-known) sizes the Triton grid; unused here.
+    """
+    del max_query_len
+    chunks, positions = chunk_rows(cu_query_lens, start_positions, q.shape[0])
+    return paged_attention(q, k_cache, v_cache, block_tables[chunks], positions + 1, scale)

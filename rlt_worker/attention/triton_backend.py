@@ -402,3 +402,12 @@ def finalize_kv(
         NUM_KV_HEADS=num_kv_heads, H_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
     )
+
+
+def __getattr__(name: str) -> Any:
+    """The backend's prefill_attention lives in triton_prefill, which imports this module: resolved lazily."""
+    if name == "prefill_attention":
+        from rlt_worker.attention.triton_prefill import prefill_attention
+
+        return prefill_attention
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
