@@ -9,6 +9,8 @@ c requests in flight until 2·c (`--requests-factor`) have been submitted, each 
     exit ouro    Ouro's gate decides, at `--ouro-threshold` (the synthetic model's gate gives a
                  mean near 2.5 loops per generated token at the default; the measured mean is
                  reported)
+    exit prefill one output token per request (exit fixed): prompt tokens/s and time to first
+                 token (not in the default list; `--exit prefill --resume` adds it to a grid's JSON)
 
 Before an engine is timed, the configuration is gated (`--gate`, see rlt_engine/bench/gate.py):
 the same engine configuration built in float32 must give the torch path's tokens and exit depths
@@ -51,7 +53,8 @@ from rlt_engine.bench import gate
 from rlt_engine.bench.report import log, pyplot
 
 HBM_TBPS = 4.3  # H200 device-to-device copy rate measured here (KINDS.md), bytes read + written
-EXIT_MODES = ("fixed", "trace", "ouro")
+EXIT_MODES = ("fixed", "trace", "ouro")  # the default grid
+WORKLOADS = (*EXIT_MODES, "prefill")
 OURO_THRESHOLD = 0.6  # see --ouro-threshold; measured in docs/benchmarks.md
 
 # ---------------------------------------------------------------------------- workload
@@ -179,6 +182,7 @@ class RunResult:
     requests: int = 0  # submitted
     finished: int = 0
     output_tokens: int = 0
+    prompt_tokens: int = 0  # of the requests whose first token arrived
     loops: int = 0  # sum of exit depths of every delivered token
     generated_loops: int = 0  # the same without output 0 (always D)
     generated_tokens: int = 0
@@ -191,10 +195,15 @@ class RunResult:
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
     def summary(self) -> dict[str, Any]:
         return {
             "requests": self.requests, "finished": self.finished, "output_tokens": self.output_tokens,
             "elapsed_s": self.elapsed_s, "partial": self.partial, "tokens_per_s": self.tokens_per_s,
+            "prompt_tokens": self.prompt_tokens, "prompt_tokens_per_s": self.prompt_tokens_per_s,
             "ttft_p50_s": _percentile(self.ttft_s, 50), "ttft_p99_s": _percentile(self.ttft_s, 99),
             "itl_p50_s": _percentile(self.itl_s, 50), "itl_p99_s": _percentile(self.itl_s, 99),
             "loops_per_token": self.loops / self.output_tokens if self.output_tokens else None,
@@ -215,6 +224,7 @@ def _percentile(values: Sequence[float], q: float) -> float | None:
 @dataclass
 class _Live:
     added: float
+    prompt_len: int
     last: float | None = None
     tokens: int = 0
     loops: int = 0
@@ -235,7 +245,7 @@ def closed_loop(engine: Any, jobs: Sequence[Job], concurrency: int, deadline: fl
         while len(live) < concurrency and next_job < len(jobs):
             request_id = f"bench-{run}-{next_job}"
             job = jobs[next_job]
-            live[request_id] = _Live(added=time.perf_counter())
+            live[request_id] = _Live(added=time.perf_counter(), prompt_len=len(job.prompt))
             engine.add_request(request_id, job.prompt, job.params)
             next_job += 1
             result.requests += 1
@@ -254,6 +264,7 @@ def closed_loop(engine: Any, jobs: Sequence[Job], concurrency: int, deadline: fl
             if n > state.tokens:
                 if state.tokens == 0:
                     result.ttft_s.append(now - state.added)
+                    result.prompt_tokens += state.prompt_len
                     first_new = 1
                 else:
                     first_new = 0
@@ -368,17 +379,19 @@ class Grid:
             gpu_memory_utilization=a.gpu_memory_utilization,
         )
 
-    def _engine_options(self, workers: int, exit_mode: str) -> dict[str, Any]:
+    def _engine_options(self, workers: int, mode: str) -> dict[str, Any]:
         a = self.args
-        options = dict(self._options(exit_mode), workers=workers, attention_backend=a.attention_backend,
+        options = dict(self._options(_engine_exit(mode)), workers=workers, attention_backend=a.attention_backend,
                        loops_per_plan=a.loops_per_plan)
         if a.cuda_graphs is not None:
             options["cuda_graphs"] = a.cuda_graphs
         return options
 
-    def workload(self, exit_mode: str, output_len: int) -> Workload:
+    def workload(self, mode: str, output_len: int) -> Workload:
         a = self.args
-        return Workload(output_len, exit_mode, self.depth, a.trace_mean, a.ouro_threshold)
+        if mode == "prefill":
+            return Workload(1, "fixed", self.depth)
+        return Workload(output_len, mode, self.depth, a.trace_mean, a.ouro_threshold)
 
     def _gate_pool(self) -> int:
         """KV blocks for the gate requests alone, every plane (Huginn's outer one too; up to 16 loop
@@ -390,9 +403,8 @@ class Grid:
     def _gate_references(self) -> None:
         """The torch path's outputs of the gate requests, once per exit mode (before any engine under test)."""
         a = self.args
-        for exit_mode in a.exit:
-            if not any(self._pending(w, exit_mode) for w in a.workers):
-                continue
+        pending = [m for m in a.exit if any(self._pending(w, m) for w in a.workers)]
+        for exit_mode in dict.fromkeys(_engine_exit(m) for m in pending):  # prefill is gated as fixed
             t0 = time.perf_counter()
 
             def make(vocab: int, depth: int, mode: str = exit_mode) -> list[gate.GateJob]:
@@ -456,7 +468,7 @@ class Grid:
             return False
         llm, _ = started
         try:
-            result = gate.check(llm, self.references[exit_mode], self.gate_dtype)
+            result = gate.check(llm, self.references[_engine_exit(exit_mode)], self.gate_dtype)
         finally:
             self._close(llm)
         self.meta.setdefault("gate", {})[key] = dataclasses.asdict(result)
@@ -481,8 +493,9 @@ class Grid:
             self.meta.setdefault("engine", {})[key] = {
                 "startup_s": startup_s, "num_blocks": kv.num_blocks, "num_planes": kv.num_planes, "depth": self.depth,
             }
-            if exit_mode in self.references and a.dtype != self.gate_dtype:
-                report = gate.divergence(llm, self.references[exit_mode], a.dtype)
+            reference = self.references.get(_engine_exit(exit_mode))
+            if reference is not None and a.dtype != self.gate_dtype:
+                report = gate.divergence(llm, reference, a.dtype)
                 self.meta["gate"][key]["divergence"] = dataclasses.asdict(report)
                 log(f"   against the float32 reference: {report.summary()}")
             if a.warmup:
@@ -541,8 +554,8 @@ class Grid:
         kv = engine.kv_managers[0]
         config.memory["kv_pool_gib"] = _kv_pool_bytes(engine.model_info, kv.num_blocks, a.block_size,
                                                       engine.config.dtype) / 2**30
-        keys = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "loops_per_token",
-                "loops_per_generated_token", "elapsed_s")
+        keys = ("tokens_per_s", "prompt_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s",
+                "loops_per_token", "loops_per_generated_token", "elapsed_s")
         config.median = {k: _median(config.runs, k) for k in keys}
         config.median["runs"] = sum(not r["partial"] for r in config.runs) or len(config.runs)
         config.median["partial"] = all(r["partial"] for r in config.runs)
@@ -583,6 +596,11 @@ class Grid:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(payload, f, indent=1)
         os.replace(tmp, self.args.json)
+
+
+def _engine_exit(mode: str) -> str:
+    """The engine's exit_mode for a workload (prefill: one token per request, fixed)."""
+    return "fixed" if mode == "prefill" else mode
 
 
 def _graph_stats(engine: Any) -> dict[str, Any] | None:
@@ -652,22 +670,27 @@ def _ms(value: float | None) -> str:
     return "—" if value is None else f"{value * 1e3:.1f}"
 
 
+def _num(value: float | None) -> str:
+    return "—" if value is None else f"{value:.0f}"
+
+
 def table(results: Sequence[ConfigResult]) -> str:
     """The results as a Markdown table."""
     lines = [
-        "| workers | exit | conc. | output tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | loops/token | "
-        "peak GPU GiB | runs |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| workers | exit | conc. | output tok/s | prompt tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | "
+        "loops/token | peak GPU GiB | runs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         m = r.median
         if r.error and not r.runs:
-            lines.append(f"| {r.workers} | {r.exit_mode} | {r.concurrency} | error: {r.error} | | | | | | |")
+            lines.append(f"| {r.workers} | {r.exit_mode} | {r.concurrency} | error: {r.error} | | | | | | | |")
             continue
         loops = m.get("loops_per_token")
         peak = r.memory.get("peak_allocated_gib", r.memory.get("device_used_gib"))
         lines.append(
-            f"| {r.workers} | {r.exit_mode} | {r.concurrency} | {m['tokens_per_s']:.1f} | {_ms(m['ttft_p50_s'])} | "
+            f"| {r.workers} | {r.exit_mode} | {r.concurrency} | {m['tokens_per_s']:.1f} | "
+            f"{_num(m.get('prompt_tokens_per_s'))} | {_ms(m['ttft_p50_s'])} | "
             f"{_ms(m['itl_p50_s'])} | {_ms(m['itl_p99_s'])} | {'—' if loops is None else f'{loops:.3f}'} | "
             f"{'—' if peak is None else f'{peak:.1f}'} | {m['runs']}{' (partial)' if m['partial'] else ''} |"
         )
@@ -724,7 +747,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--concurrency", type=_csv_ints, default=[1, 32, 128])
     p.add_argument("--requests-factor", type=int, default=2, help="requests per run = factor × concurrency")
-    p.add_argument("--exit", type=_csv, default=list(EXIT_MODES), help="any of fixed, trace, ouro")
+    p.add_argument("--exit", type=_csv, default=list(EXIT_MODES),
+                   help="any of fixed, trace, ouro, prefill (one output token: prompt tokens/s and TTFT)")
     p.add_argument("--trace-mean", type=float, default=2.5, help="mean depth of generated positions under trace")
     p.add_argument("--ouro-threshold", type=float, default=OURO_THRESHOLD,
                    help="exit threshold of every request under ouro (the synthetic model's gate gives a mean "
@@ -755,8 +779,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--from-json", default=None, help="only tabulate/plot an earlier --json file")
     args = p.parse_args(argv)
     for mode in args.exit:
-        if mode not in EXIT_MODES:
-            p.error(f"--exit takes any of {', '.join(EXIT_MODES)}, not {mode!r}")
+        if mode not in WORKLOADS:
+            p.error(f"--exit takes any of {', '.join(WORKLOADS)}, not {mode!r}")
     if args.resume and not args.json:
         p.error("--resume needs --json FILE (the grid to continue)")
     if args.output_len < 1 or args.prompt_len < 1 or min(args.concurrency) < 1:
