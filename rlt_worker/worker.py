@@ -74,6 +74,7 @@ class Worker:
             state_init=config.state_init,
             scratch_block=num_blocks,
             cuda_graphs=config.cuda_graphs,
+            graph_capture=config.cuda_graph_capture,
         )
         self.runner = ModelRunner(model, storage, runner_config)
         log.info("worker %d ready on %s: %d KV blocks, %d planes", self.index, device, num_blocks, planes)

@@ -118,3 +118,31 @@ def test_every_engine_flag_has_help() -> None:
     helps = {a.dest: a.help for a in parser._actions if a.dest != "help"}
     assert set(helps) == {f.name for f in dataclasses.fields(EngineConfig)}
     assert all(h and not h.startswith("(default") for h in helps.values()), helps
+
+
+def test_startup_capture_leaves_no_capture_to_serving() -> None:
+    """capture_all() (the worker's start-up capture, emulated here) covers every rows × width bucket a
+    workload can need: serving then replays only, captures nothing, runs no pass eagerly."""
+    with make_llm("toy-ouro", exit_mode="trace", loops_per_plan=DEPTH["toy-ouro"], max_num_seqs=6) as llm:
+        runner = llm.engine.executor._worker.runner
+        runner.use_pass_graphs(emulate=True)
+        runner.capture_pass_graphs()
+        graphs = runner._graphs
+        assert graphs.row_buckets == (1, 2, 4, 8) and graphs.widths() == (4, 8, 16, 32)  # 512 positions / 16
+        started = runner.graph_stats
+        assert started["startup_captures"] == started["captures"] == 16 and started["lazy_captures"] == 0
+        run = run_workload(llm, _jobs("toy-ouro", "trace"))
+        assert_matches_reference(run, "toy-ouro", kv_layout="last_exited", exit_mode="trace")
+        stats = runner.graph_stats
+    assert stats["replays"] > 0 and stats["eager_passes"] == 0
+    assert stats["captures"] == 16 and stats["lazy_captures"] == 0
+
+
+def test_graph_capture_option() -> None:
+    from rlt_engine.config import EngineConfig
+
+    assert EngineConfig(device="cuda").resolved().worker_config("cuda").cuda_graph_capture == "startup"
+    lazy = EngineConfig(device="cuda", cuda_graph_capture="lazy").resolved()
+    assert lazy.worker_config("cuda").cuda_graph_capture == "lazy"
+    with pytest.raises(ValueError, match="cuda_graph_capture"):
+        EngineConfig(cuda_graph_capture="never")
