@@ -47,6 +47,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from rlt_worker.coda_graphs import CodaGraphs
+
 if TYPE_CHECKING:
     from rlt_worker.model_runner import ModelRunner
 
@@ -68,6 +70,8 @@ class GraphStats:
     startup_capture_s: float = 0.0  # wall time of capture_all()
     lazy_captures: int = 0  # captured at first use, while serving (0 after a complete start-up capture)
     capture_mib: float = 0.0  # device memory capture_all() took (drop in free memory), MiB
+    coda_replays: int = 0  # CODA batches run from a graph (rlt_worker/coda_graphs.py)
+    coda_eager: int = 0  # CODA batches that could not (forced tokens, replay rows, too many rows)
     rows: int = 0  # real rows run from graphs
     padded_rows: int = 0  # bucket rows beyond them
     buckets: dict[str, int] = field(default_factory=dict)  # "rows x width" → replays
@@ -79,6 +83,7 @@ class GraphStats:
             "capture_s": round(self.capture_s, 3), "startup_captures": self.startup_captures,
             "startup_capture_s": round(self.startup_capture_s, 3), "lazy_captures": self.lazy_captures,
             "capture_mib": round(self.capture_mib, 1), "rows": self.rows, "padded_rows": self.padded_rows,
+            "coda_replays": self.coda_replays, "coda_eager": self.coda_eager,
             "buckets": dict(self.buckets), "error": self.error,
         }
 
@@ -116,6 +121,8 @@ class LoopPassGraphs:
         self._pool: Any = None
         self._stream: torch.cuda.Stream | None = None
         self.stats = GraphStats()
+        # A coda without attention (Ouro) is graphed too; Huginn's reads its coda K/V and stays eager.
+        self.coda = CodaGraphs(self) if runner.model.info.num_outer_kv_layers == 0 else None
 
     def widths(self) -> tuple[int, ...]:
         """Every width bucket: MIN_WIDTH, 2·MIN_WIDTH, … below max_width, then max_width."""
@@ -126,7 +133,7 @@ class LoopPassGraphs:
         return (*widths, self.max_width)
 
     def capture_all(self) -> None:
-        """Capture every rows × width bucket now (largest first, so the shared pool grows once)."""
+        """Capture every rows × width bucket (largest first, so the shared pool grows once), then CODA's."""
         cuda = not self.emulate
         device = self.runner.device
         if cuda:
@@ -135,15 +142,14 @@ class LoopPassGraphs:
         t0 = time.perf_counter()
         for rows in reversed(self.row_buckets):
             for width in reversed(self.widths()):
-                if (rows, width) in self._graphs or self.stats.error is not None:
-                    continue
-                try:
-                    self._graphs[(rows, width)] = self._capture(rows, width)
-                    self.stats.startup_captures += 1
-                except Exception as exc:  # serve anyway: every pass then runs eagerly
-                    log.exception("start-up CUDA graph capture of %d rows × %d blocks failed; decode passes "
-                                  "run eagerly", rows, width)
-                    self.stats.error = f"{type(exc).__name__}: {exc}"
+                if (rows, width) not in self._graphs and self.stats.error is None:
+                    graph = self.capture_or_none(functools.partial(self._pass, rows, width),
+                                                 self._warm_up(rows), f"{rows} rows × {width} blocks")
+                    if graph is not None:
+                        self._graphs[(rows, width)] = graph
+                        self.stats.startup_captures += 1
+        if self.coda is not None:
+            self.stats.startup_captures += self.coda.capture_all()
         self.stats.startup_capture_s = time.perf_counter() - t0
         if cuda:
             self.stats.capture_mib = (free_before - torch.cuda.mem_get_info(device)[0]) / 2**20
@@ -169,12 +175,9 @@ class LoopPassGraphs:
         rows, width = key
         graph = self._graphs.get(key)
         if graph is None:
-            try:
-                graph = self._capture(rows, width)
-            except Exception as exc:  # keep serving: this and every later pass runs eagerly
-                log.exception("CUDA graph capture of %d rows × %d blocks failed; decode passes run eagerly", rows,
-                              width)
-                self.stats.error = f"{type(exc).__name__}: {exc}"
+            graph = self.capture_or_none(functools.partial(self._pass, rows, width), self._warm_up(rows),
+                                         f"{rows} rows × {width} blocks")
+            if graph is None:
                 self.stats.eager_passes += 1
                 return False
             self._graphs[key] = graph
@@ -203,16 +206,31 @@ class LoopPassGraphs:
         state = runner.model.loop(runner.state[slots], runner.embedded[slots], positions, context)
         runner.state.index_copy_(0, slots, state)
 
-    def _capture(self, rows: int, width: int) -> Any:
-        fn = functools.partial(self._pass, rows, width)
+    def _warm_up(self, rows: int) -> Callable[[], None]:
+        """Point a bucket's static rows at the dummy slot and the scratch block (warm-up passes)."""
+        def point() -> None:
+            index = self._index[rows]
+            index[0].fill_(self.dummy_slot)
+            index[1].zero_()
+            index[2].fill_(1)
+        return point
+
+    def capture_or_none(self, fn: Callable[[], None], warm_up: Callable[[], None], what: str) -> Any:
+        """A graph of fn (emulate: fn itself), or None after logging a failed capture; a failure
+        sets stats.error, after which every pass and CODA runs eagerly."""
+        try:
+            return self._capture(fn, warm_up)
+        except Exception as exc:  # keep serving, eagerly
+            log.exception("CUDA graph capture of %s failed; decode passes and CODA run eagerly", what)
+            self.stats.error = f"{type(exc).__name__}: {exc}"
+            return None
+
+    def _capture(self, fn: Callable[[], None], warm_up: Callable[[], None]) -> Any:
         if self.emulate:
             self.stats.captures += 1
             return _EagerReplay(fn)
         t0 = time.perf_counter()
-        index = self._index[rows]
-        index[0].fill_(self.dummy_slot)  # warm-up rows: the dummy slot and the scratch block only
-        index[1].zero_()
-        index[2].fill_(1)
+        warm_up()  # warm-up rows read and write only what no real row owns
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.runner.device)
             self._pool = torch.cuda.graph_pool_handle()

@@ -407,6 +407,15 @@ class ModelRunner:
         sampled = np.flatnonzero(indices >= 0)  # the others ran only for their coda K/V (replay)
         seeds = batch.col("seeds")[sampled].view(np.int64)
         host_forced = batch.col("forced_tokens")[sampled]
+        # The general path is exact for greedy rows too; the shortcut only skips the noise.
+        all_greedy = bool(self.host_greedy[row_slots[sampled]].all())
+        any_forced = bool((host_forced >= 0).any())
+        coda_graphs = None if self._graphs is None else self._graphs.coda
+        if coda_graphs is not None and len(sampled) == len(row_slots) and not any_forced:
+            done = coda_graphs.run(row_slots, seeds, indices, all_greedy)
+            if done is not None:
+                results.add(Stage.CODA, keys, generations, tokens=done[0], logprobs=done[1])
+                return
         slots, positions, rows, seeds, sample_indices, forced = self._upload(
             row_slots, host_positions, sampled, seeds, indices[sampled], host_forced
         )
@@ -423,9 +432,6 @@ class ModelRunner:
             seeds=seeds,
             indices=sample_indices,
         )
-        # The general path is exact for greedy rows too; the shortcut only skips the noise.
-        all_greedy = bool(self.host_greedy[row_slots[sampled]].all())
-        any_forced = bool((host_forced >= 0).any())
         tokens, logprobs = sample(
             self.model.lm_head(hidden), params, all_greedy=all_greedy, forced=forced if any_forced else None
         )

@@ -11,6 +11,8 @@ Defaults: synthetic-ouro-1.4b, rows 1 and 32, every row at position context−1 
 - kernels per pass: CUDA kernels of one eager pass under torch.profiler (the kernels the graph
   holds), and per decoder layer;
 - GPU time per pass: CUDA events around each of `--replays` graph replays, median (p10, p90);
+- CODA (LM head + sampling, greedy and Philox sampling) per row count: graph replay GPU time,
+  the same function's eager wall time, its kernels;
 - parity: one pass of both paths from the same state over the same KV pool, per dtype
   (bfloat16 is timed; float32 is compared only): max |Δ| / max |torch|, worst row cosine.
 
@@ -171,6 +173,31 @@ def pass_bytes(setup: Setup, rows: int, context: int) -> int:
     return weights + kv
 
 
+def profile_coda(setup: Setup, rows: int, replays: int, cuda: bool) -> list[dict]:
+    """CODA (LM head + sampling) of `rows` rows, greedy and sampling: graph replay GPU time and the
+    same function's eager wall time."""
+    coda = setup.runners["fused"]._graphs.coda
+    out = []
+    for greedy in (True, False):
+        slots = np.arange(rows)
+        assert coda.run(slots, slots, slots, greedy) is not None  # captures the bucket on first use
+        bucket = next(b for b in coda.passes.row_buckets if b >= rows)
+        times = time_replays(coda._graphs[(bucket, greedy)], replays, cuda)
+        eager = []
+        for _ in range(max(3, replays // 10)):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            coda._coda(bucket, greedy)
+            if cuda:
+                torch.cuda.synchronize()
+            eager.append((time.perf_counter() - t0) * 1e3)
+        kernels, _ = count_kernels(lambda b=bucket, g=greedy: coda._coda(b, g), cuda)
+        out.append({"rows": rows, "kind": "greedy" if greedy else "sampling", "kernels": kernels,
+                    "graph_gpu_ms_median": statistics.median(times), "eager_wall_ms_median": statistics.median(eager)})
+    return out
+
+
 def parity(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
     a, b = a.double(), b.double()
     cos = torch.nn.functional.cosine_similarity(a, b, dim=-1).min()
@@ -183,7 +210,7 @@ def main(args: argparse.Namespace) -> dict:
     dtype_names = args.dtypes.split(",")
     cuda = args.device.startswith("cuda")
     report: dict = {"model": args.model, "device": torch.cuda.get_device_name() if cuda else "cpu",
-                    "torch": torch.__version__, "context": args.context, "passes": [], "parity": []}
+                    "torch": torch.__version__, "context": args.context, "passes": [], "parity": [], "coda": []}
     try:
         import triton
 
@@ -211,6 +238,8 @@ def main(args: argparse.Namespace) -> dict:
                     "replays": len(times), "bytes_floor_ms": floor_ms,
                     "top_kernels": sorted(names.items(), key=lambda kv: -kv[1])[: args.top] if args.top else [],
                 })
+            if cuda or setup.runners["fused"]._graphs.coda is not None:
+                report["coda"].extend(profile_coda(setup, rows, args.replays, cuda))
         del setup
         if cuda:
             torch.cuda.empty_cache()
@@ -231,6 +260,10 @@ def print_report(report: dict, hbm_tbps: float) -> None:
         for name, count in p["top_kernels"]:
             print(f"        {count:5d}  {name[:110]}")
     print(f"(bytes floor: loop weights + context K/V at {hbm_tbps} TB/s)")
+    for c in report["coda"]:
+        kernels = "-" if c["kernels"] is None else c["kernels"]
+        print(f"CODA {c['kind']:8} rows {c['rows']:>3}: {kernels} kernels, graph {c['graph_gpu_ms_median']:.3f} ms "
+              f"GPU, eager {c['eager_wall_ms_median']:.3f} ms wall")
     print("parity, fused vs torch, one pass from the same state:")
     for q in report["parity"]:
         print(f"  {q['dtype']:9} rows {q['rows']:>3}: max|Δ| {q['max_abs_diff']:.3e}, max|Δ|/max|torch| "

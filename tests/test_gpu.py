@@ -228,7 +228,10 @@ def _record_logits(llm: LLM) -> Logits:
                 if keep.any():  # the runner calls the head only when some row samples
                     pending.append((batch.col("keys")[keep].tolist(), indices[keep].tolist()))
 
-    model = llm.engine.executor._worker.runner.model
+    runner = llm.engine.executor._worker.runner
+    if runner._graphs is not None:  # a CODA graph calls lm_head only while it is captured: run CODA eagerly
+        runner._graphs.coda = None
+    model = runner.model
     real_head: Callable[[torch.Tensor], torch.Tensor] = model.lm_head
 
     def head(hidden: torch.Tensor) -> torch.Tensor:
