@@ -22,6 +22,7 @@ memory pool and side stream, and are captured with them at start-up (`LoopPassGr
 from __future__ import annotations
 
 import functools
+import logging
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,6 +32,8 @@ from rlt_worker.sampler import SamplingTensors, sample
 
 if TYPE_CHECKING:
     from rlt_worker.cuda_graphs import LoopPassGraphs
+
+log = logging.getLogger("rlt.worker")
 
 
 class CodaGraphs:
@@ -43,6 +46,7 @@ class CodaGraphs:
         self._index = {b: torch.zeros(3, b, dtype=torch.long, device=device) for b in passes.row_buckets}
         self._graphs: dict[tuple[int, bool], Any] = {}
         self._outputs: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.error: str | None = None  # a capture failed: every later CODA runs eagerly
 
     def capture_all(self) -> int:
         """Capture every (rows bucket, greedy) not captured yet, largest first; the number captured."""
@@ -50,13 +54,18 @@ class CodaGraphs:
         return sum(self._graph(key) is not None for key in keys if key not in self._graphs)
 
     def _graph(self, key: tuple[int, bool]) -> Any:
-        """The key's graph, captured now if it is not yet; None when capturing failed (now or before)."""
-        if key not in self._graphs and self.passes.stats.error is None:
+        """The key's graph, captured now if it is not yet; None when capturing failed (now or before).
+
+        A failed CODA capture (e.g. the sampler's [rows, vocab] float64 buffers not fitting beside a
+        full KV pool) turns off CODA graphs only: the loop passes keep theirs."""
+        if key not in self._graphs and self.error is None and self.passes.stats.error is None:
             rows, greedy = key
-            graph = self.passes.capture_or_none(functools.partial(self._coda, rows, greedy), self._warm_up(rows),
-                                                f"CODA of {rows} rows")
-            if graph is not None:
-                self._graphs[key] = graph
+            try:
+                self._graphs[key] = self.passes._capture(functools.partial(self._coda, rows, greedy),
+                                                         self._warm_up(rows))
+            except Exception as exc:  # keep serving: CODA runs eagerly from now on
+                log.exception("CUDA graph capture of CODA of %d rows failed; CODA runs eagerly", rows)
+                self.error = self.passes.stats.coda_error = f"{type(exc).__name__}: {exc}"
         return self._graphs.get(key)
 
     def run(
@@ -67,7 +76,7 @@ class CodaGraphs:
         stats = self.passes.stats
         n = len(slots)
         rows = next((b for b in self.passes.row_buckets if b >= n), None)
-        if rows is None or stats.error is not None:
+        if rows is None or stats.error is not None or self.error is not None:
             stats.coda_eager += 1
             return None
         key = (rows, greedy)

@@ -72,6 +72,7 @@ class GraphStats:
     capture_mib: float = 0.0  # device memory capture_all() took (drop in free memory), MiB
     coda_replays: int = 0  # CODA batches run from a graph (rlt_worker/coda_graphs.py)
     coda_eager: int = 0  # CODA batches that could not (forced tokens, replay rows, too many rows)
+    coda_error: str | None = None  # a CODA capture failed: CODA runs eagerly (the passes keep their graphs)
     rows: int = 0  # real rows run from graphs
     padded_rows: int = 0  # bucket rows beyond them
     buckets: dict[str, int] = field(default_factory=dict)  # "rows x width" → replays
@@ -83,7 +84,7 @@ class GraphStats:
             "capture_s": round(self.capture_s, 3), "startup_captures": self.startup_captures,
             "startup_capture_s": round(self.startup_capture_s, 3), "lazy_captures": self.lazy_captures,
             "capture_mib": round(self.capture_mib, 1), "rows": self.rows, "padded_rows": self.padded_rows,
-            "coda_replays": self.coda_replays, "coda_eager": self.coda_eager,
+            "coda_replays": self.coda_replays, "coda_eager": self.coda_eager, "coda_error": self.coda_error,
             "buckets": dict(self.buckets), "error": self.error,
         }
 

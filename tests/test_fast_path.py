@@ -166,3 +166,24 @@ def test_graph_capture_option() -> None:
     assert lazy.worker_config("cuda").cuda_graph_capture == "lazy"
     with pytest.raises(ValueError, match="cuda_graph_capture"):
         EngineConfig(cuda_graph_capture="never")
+
+
+def test_failed_coda_capture_keeps_pass_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CODA capture that fails (say, out of memory beside a full KV pool) turns off CODA graphs only."""
+    with make_llm("toy-ouro", exit_mode="trace", loops_per_plan=DEPTH["toy-ouro"], max_num_seqs=4) as llm:
+        runner = llm.engine.executor._worker.runner
+        runner.use_pass_graphs(emulate=True)
+        graphs = runner._graphs
+        real = graphs._capture
+
+        def capture(fn, warm_up):
+            if fn.func == graphs.coda._coda:
+                raise RuntimeError("CUDA out of memory (simulated)")
+            return real(fn, warm_up)
+
+        monkeypatch.setattr(graphs, "_capture", capture)
+        run = run_workload(llm, _jobs("toy-ouro", "trace"))
+        assert_matches_reference(run, "toy-ouro", kv_layout="last_exited", exit_mode="trace")
+        stats = runner.graph_stats
+    assert "simulated" in stats["coda_error"] and stats["error"] is None
+    assert stats["replays"] > 0 and stats["coda_replays"] == 0 and stats["coda_eager"] > 0
