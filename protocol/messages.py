@@ -74,6 +74,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     state_init: str  # Huginn: "random" | "zero"
     num_threads: int = 0  # torch intra-op threads (0 = leave torch's default)
     cuda_graphs: bool = False  # decode loop passes from CUDA graphs (CUDA with the Triton backend)
+    fused_layers: bool = False  # Ouro's loop through fused Triton kernels over packed q|k|v, gate|up weights
+    cuda_graph_capture: str = "lazy"  # "startup": every graph bucket before WorkerReady | "lazy": at first use
 
 
 class WorkerHello(msgspec.Struct, tag=True, array_like=True, kw_only=True):

@@ -58,6 +58,12 @@ class EngineConfig:
                                        "(1 = synchronous; pipelining is not built yet)")
     cuda_graphs: bool = _opt(True, "replay decode loop passes from CUDA graphs bucketed by row count "
                                    "(CUDA with Triton attention only)")
+    fused_layers: bool = _opt(True, "Ouro's decoder layers through fused Triton kernels (residual add + "
+                                    "RMSNorm, RoPE, SwiGLU) over packed q|k|v and gate|up weights (CUDA with "
+                                    "Triton attention only; --no-fused-layers runs the torch modules, for A/B)")
+    cuda_graph_capture: str = _opt("startup", "when decode-pass graphs are captured: startup (every row × width "
+                                              "bucket before the worker reports ready, so no capture lands in a "
+                                              "request) or lazy (a bucket at its first use)")
     loops_per_plan: int = _opt(0, "most loops one plan runs for a row that cannot exit in between "
                                   "(0 = auto: D on cuda, 1 on cpu)")
     mixed_batches: bool = _opt(False, "prefill-chunk and decode rows in one loop pass (not built yet)")
@@ -72,6 +78,7 @@ class EngineConfig:
         _choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
         _choice("state_init", self.state_init, ("random", "zero"))
         _choice("preemption", self.preemption, ("swap", "recompute"))
+        _choice("cuda_graph_capture", self.cuda_graph_capture, ("startup", "lazy"))
         if self.exit_mode is not None:
             _choice("exit_mode", self.exit_mode, EXIT_MODES)
         if self.attention_backend is not None:
@@ -111,10 +118,11 @@ class EngineConfig:
         backend = self.attention_backend or ("triton" if on_cuda else "torch")
         # Graph capture needs a sync-free attention path: the Triton backend on CUDA.
         graphs = self.cuda_graphs and on_cuda and backend == "triton"
+        fused = self.fused_layers and on_cuda and backend == "triton"  # the kernels are Triton's, on CUDA
         loops_per_plan = self.loops_per_plan or (0 if on_cuda else 1)  # 0 stays: D, known once workers are up
         return dataclasses.replace(
             self, model=resolve_model(self.model), device=device, dtype=dtype, attention_backend=backend,
-            cuda_graphs=graphs, loops_per_plan=loops_per_plan,
+            cuda_graphs=graphs, fused_layers=fused, loops_per_plan=loops_per_plan,
         )
 
     def worker_config(self, device: str) -> WorkerConfig:
@@ -133,6 +141,8 @@ class EngineConfig:
             attention_backend=self.attention_backend,
             state_init=self.state_init,
             cuda_graphs=self.cuda_graphs,
+            fused_layers=self.fused_layers,
+            cuda_graph_capture=self.cuda_graph_capture,
         )
 
 

@@ -20,11 +20,16 @@ tables, the KV pool, weights) lives at a fixed address for the worker's life.
                   Triton kernel's split count depends on (rows, width) only, so it is fixed per
                   graph as well
 
-Graphs are captured lazily, the first time a (rows, width) bucket is needed: two warm-up passes
-on dummy rows only (Triton compilation, cuBLAS workspaces) on a side stream, then the capture,
-which runs nothing; the pass that asked for it then replays it. All graphs share one memory pool
-(they are replayed one at a time and keep no outputs). Passes with more rows than the largest
-bucket, prefill, and passes that return an exit signal run eagerly.
+Capture. `capture_all()` (the worker calls it at start-up under `cuda_graph_capture="startup"`,
+the default) captures every rows × width bucket before the worker reports ready, so no capture
+lands inside a request's latency; with "lazy" a bucket is captured the first time it is needed
+(and a bucket that start-up missed would be too: `lazy_captures` counts those). Each capture is
+two warm-up passes on dummy rows only (Triton compilation, cuBLAS workspaces) on a side stream,
+then the capture, which runs nothing. All graphs share one memory pool (they are replayed one at a
+time and keep no outputs), so the captures cost the pool's largest pass plus the graphs
+themselves: `capture_mib` is the drop in free device memory over `capture_all()`. Passes with more
+rows than the largest bucket, prefill, and passes that return an exit signal run eagerly
+(`eager_passes` counts the no-signal ones).
 
 `emulate=True` (CPU tests) runs the same padded, bucketed, static-buffer function eagerly in
 place of a replay: everything but the capture itself is exercised against the float64 oracle.
@@ -41,6 +46,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from rlt_worker.coda_graphs import CodaGraphs
 
 if TYPE_CHECKING:
     from rlt_worker.model_runner import ModelRunner
@@ -59,6 +66,13 @@ class GraphStats:
     eager_passes: int = 0  # no-signal decode passes that fit no bucket
     captures: int = 0
     capture_s: float = 0.0
+    startup_captures: int = 0  # captured by capture_all() before serving
+    startup_capture_s: float = 0.0  # wall time of capture_all()
+    lazy_captures: int = 0  # captured at first use, while serving (0 after a complete start-up capture)
+    capture_mib: float = 0.0  # device memory capture_all() took (drop in free memory), MiB
+    coda_replays: int = 0  # CODA batches run from a graph (rlt_worker/coda_graphs.py)
+    coda_eager: int = 0  # CODA batches that could not (forced tokens, replay rows, too many rows)
+    coda_error: str | None = None  # a CODA capture failed: CODA runs eagerly (the passes keep their graphs)
     rows: int = 0  # real rows run from graphs
     padded_rows: int = 0  # bucket rows beyond them
     buckets: dict[str, int] = field(default_factory=dict)  # "rows x width" → replays
@@ -67,7 +81,10 @@ class GraphStats:
     def as_dict(self) -> dict[str, Any]:
         return {
             "replays": self.replays, "eager_passes": self.eager_passes, "captures": self.captures,
-            "capture_s": round(self.capture_s, 3), "rows": self.rows, "padded_rows": self.padded_rows,
+            "capture_s": round(self.capture_s, 3), "startup_captures": self.startup_captures,
+            "startup_capture_s": round(self.startup_capture_s, 3), "lazy_captures": self.lazy_captures,
+            "capture_mib": round(self.capture_mib, 1), "rows": self.rows, "padded_rows": self.padded_rows,
+            "coda_replays": self.coda_replays, "coda_eager": self.coda_eager, "coda_error": self.coda_error,
             "buckets": dict(self.buckets), "error": self.error,
         }
 
@@ -105,6 +122,41 @@ class LoopPassGraphs:
         self._pool: Any = None
         self._stream: torch.cuda.Stream | None = None
         self.stats = GraphStats()
+        # A coda without attention (Ouro) is graphed too; Huginn's reads its coda K/V and stays eager.
+        self.coda = CodaGraphs(self) if runner.model.info.num_outer_kv_layers == 0 else None
+
+    def widths(self) -> tuple[int, ...]:
+        """Every width bucket: MIN_WIDTH, 2·MIN_WIDTH, … below max_width, then max_width."""
+        widths, width = [], MIN_WIDTH
+        while width < self.max_width:
+            widths.append(width)
+            width *= 2
+        return (*widths, self.max_width)
+
+    def capture_all(self) -> None:
+        """Capture every rows × width bucket (largest first, so the shared pool grows once), then CODA's."""
+        cuda = not self.emulate
+        device = self.runner.device
+        if cuda:
+            torch.cuda.synchronize(device)
+            free_before = torch.cuda.mem_get_info(device)[0]
+        t0 = time.perf_counter()
+        for rows in reversed(self.row_buckets):
+            for width in reversed(self.widths()):
+                if (rows, width) not in self._graphs and self.stats.error is None:
+                    graph = self.capture_or_none(functools.partial(self._pass, rows, width),
+                                                 self._warm_up(rows), f"{rows} rows × {width} blocks")
+                    if graph is not None:
+                        self._graphs[(rows, width)] = graph
+                        self.stats.startup_captures += 1
+        if self.coda is not None:
+            self.stats.startup_captures += self.coda.capture_all()
+        self.stats.startup_capture_s = time.perf_counter() - t0
+        if cuda:
+            self.stats.capture_mib = (free_before - torch.cuda.mem_get_info(device)[0]) / 2**20
+        log.info("captured %d decode-pass graphs (%d row × %d width buckets) in %.1f s, %.0f MiB",
+                 self.stats.startup_captures, len(self.row_buckets), len(self.widths()), self.stats.startup_capture_s,
+                 self.stats.capture_mib)
 
     def bucket(self, num_rows: int, max_position: int) -> tuple[int, int] | None:
         """The (rows, width) bucket of a pass, or None when it has more rows than the largest bucket."""
@@ -124,15 +176,13 @@ class LoopPassGraphs:
         rows, width = key
         graph = self._graphs.get(key)
         if graph is None:
-            try:
-                graph = self._capture(rows, width)
-            except Exception as exc:  # keep serving: this and every later pass runs eagerly
-                log.exception("CUDA graph capture of %d rows × %d blocks failed; decode passes run eagerly", rows,
-                              width)
-                self.stats.error = f"{type(exc).__name__}: {exc}"
+            graph = self.capture_or_none(functools.partial(self._pass, rows, width), self._warm_up(rows),
+                                         f"{rows} rows × {width} blocks")
+            if graph is None:
                 self.stats.eager_passes += 1
                 return False
             self._graphs[key] = graph
+            self.stats.lazy_captures += 1
         host = np.empty((3, rows), dtype=np.int64)
         host[0, n:], host[1, n:], host[2, n:] = self.dummy_slot, 0, 1
         host[0, :n], host[1, :n], host[2, :n] = slots, positions, depths
@@ -157,16 +207,31 @@ class LoopPassGraphs:
         state = runner.model.loop(runner.state[slots], runner.embedded[slots], positions, context)
         runner.state.index_copy_(0, slots, state)
 
-    def _capture(self, rows: int, width: int) -> Any:
-        fn = functools.partial(self._pass, rows, width)
+    def _warm_up(self, rows: int) -> Callable[[], None]:
+        """Point a bucket's static rows at the dummy slot and the scratch block (warm-up passes)."""
+        def point() -> None:
+            index = self._index[rows]
+            index[0].fill_(self.dummy_slot)
+            index[1].zero_()
+            index[2].fill_(1)
+        return point
+
+    def capture_or_none(self, fn: Callable[[], None], warm_up: Callable[[], None], what: str) -> Any:
+        """A graph of fn (emulate: fn itself), or None after logging a failed capture; a failure
+        sets stats.error, after which every pass and CODA runs eagerly."""
+        try:
+            return self._capture(fn, warm_up)
+        except Exception as exc:  # keep serving, eagerly
+            log.exception("CUDA graph capture of %s failed; decode passes and CODA run eagerly", what)
+            self.stats.error = f"{type(exc).__name__}: {exc}"
+            return None
+
+    def _capture(self, fn: Callable[[], None], warm_up: Callable[[], None]) -> Any:
         if self.emulate:
             self.stats.captures += 1
             return _EagerReplay(fn)
         t0 = time.perf_counter()
-        index = self._index[rows]
-        index[0].fill_(self.dummy_slot)  # warm-up rows: the dummy slot and the scratch block only
-        index[1].zero_()
-        index[2].fill_(1)
+        warm_up()  # warm-up rows read and write only what no real row owns
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.runner.device)
             self._pool = torch.cuda.graph_pool_handle()

@@ -67,6 +67,7 @@ class RunnerConfig:
     # A KV block the engine never allocates: padding rows of graph-captured passes use it (-1: none).
     scratch_block: int = -1
     cuda_graphs: bool = False  # decode loop passes from CUDA graphs (needs scratch_block and CUDA)
+    graph_capture: str = "lazy"  # "startup": every graph bucket in the constructor | "lazy": at first use
 
 
 class ModelRunner:
@@ -112,12 +113,20 @@ class ModelRunner:
         self._graphs: LoopPassGraphs | None = None
         if config.cuda_graphs and self.device.type == "cuda":
             self.use_pass_graphs(emulate=False)
+            if config.graph_capture == "startup":  # before the worker reports ready: none while serving
+                self.capture_pass_graphs()
 
     def use_pass_graphs(self, emulate: bool) -> None:
         """Run no-signal decode loop passes through LoopPassGraphs (emulate: eagerly, CPU tests)."""
         if self.config.scratch_block < 0:
             raise ValueError("graph-captured passes need a scratch KV block (RunnerConfig.scratch_block)")
         self._graphs = LoopPassGraphs(self, self.config.max_slots, self.config.scratch_block, emulate)
+
+    def capture_pass_graphs(self) -> None:
+        """Capture every decode-pass graph bucket now (see LoopPassGraphs.capture_all)."""
+        if self._graphs is None:
+            raise ValueError("capture_pass_graphs needs use_pass_graphs first")
+        self._graphs.capture_all()
 
     @property
     def graph_stats(self) -> dict | None:
@@ -412,6 +421,15 @@ class ModelRunner:
         sampled = np.flatnonzero(indices >= 0)  # the others ran only for their coda K/V (replay)
         seeds = batch.col("seeds")[sampled].view(np.int64)
         host_forced = batch.col("forced_tokens")[sampled]
+        # The general path is exact for greedy rows too; the shortcut only skips the noise.
+        all_greedy = bool(self.host_greedy[row_slots[sampled]].all())
+        any_forced = bool((host_forced >= 0).any())
+        coda_graphs = None if self._graphs is None else self._graphs.coda
+        if coda_graphs is not None and len(sampled) == len(row_slots) and not any_forced:
+            done = coda_graphs.run(row_slots, seeds, indices, all_greedy)
+            if done is not None:
+                results.add(Stage.CODA, keys, generations, tokens=done[0], logprobs=done[1])
+                return
         slots, positions, rows, seeds, sample_indices, forced = self._upload(
             row_slots, host_positions, sampled, seeds, indices[sampled], host_forced
         )
@@ -428,9 +446,6 @@ class ModelRunner:
             seeds=seeds,
             indices=sample_indices,
         )
-        # The general path is exact for greedy rows too; the shortcut only skips the noise.
-        all_greedy = bool(self.host_greedy[row_slots[sampled]].all())
-        any_forced = bool((host_forced >= 0).any())
         tokens, logprobs = sample(
             self.model.lm_head(hidden), params, all_greedy=all_greedy, forced=forced if any_forced else None
         )

@@ -55,6 +55,10 @@ class Worker:
         device = torch.device(config.device)
         dtype = DTYPES[config.dtype]
         model = load_model(config.model, dtype=dtype, device=device)
+        if config.fused_layers:  # the CUDA fast path: set only for CUDA with Triton attention (EngineConfig)
+            from rlt_worker.models.ouro_fused import with_fused_layers  # imports Triton: only when used
+
+            model = with_fused_layers(model)
         info = model.info
         max_loops = config.max_loops or info.default_loops
         planes = num_planes(info, config.kv_layout, max_loops)
@@ -70,6 +74,7 @@ class Worker:
             state_init=config.state_init,
             scratch_block=num_blocks,
             cuda_graphs=config.cuda_graphs,
+            graph_capture=config.cuda_graph_capture,
         )
         self.runner = ModelRunner(model, storage, runner_config)
         log.info("worker %d ready on %s: %d KV blocks, %d planes", self.index, device, num_blocks, planes)

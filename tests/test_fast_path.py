@@ -86,6 +86,7 @@ def test_pass_graph_buckets() -> None:
         block_tables = torch.zeros(9, 4, 32, dtype=torch.int32)
         storage = type("S", (), {"block_size": 16})()
         config = type("C", (), {"max_slots": 8})()
+        model = type("M", (), {"info": type("I", (), {"num_outer_kv_layers": 1})()})()  # Huginn-like: no CODA graphs
 
     graphs = LoopPassGraphs(Runner(), dummy_slot=8, scratch_block=99, emulate=True)
     assert graphs.row_buckets == (1, 2, 4, 8)
@@ -94,6 +95,7 @@ def test_pass_graph_buckets() -> None:
     assert graphs.bucket(1, 16 * 31 + 3) == (1, 32)  # capped at the table width
     assert graphs.bucket(9, 0) is None
     assert int(Runner.block_tables[8].unique()) == 99
+    assert graphs.widths() == (4, 8, 16, 32) and graphs.coda is None
 
 
 @pytest.mark.parametrize("option", [{"max_plans_in_flight": 2}, {"mixed_batches": True}])
@@ -118,3 +120,70 @@ def test_every_engine_flag_has_help() -> None:
     helps = {a.dest: a.help for a in parser._actions if a.dest != "help"}
     assert set(helps) == {f.name for f in dataclasses.fields(EngineConfig)}
     assert all(h and not h.startswith("(default") for h in helps.values()), helps
+
+
+def test_startup_capture_leaves_no_capture_to_serving() -> None:
+    """capture_all() (the worker's start-up capture, emulated here) covers every rows × width bucket
+    and every CODA bucket (greedy and sampling) a workload can need: serving then replays only,
+    captures nothing, runs no pass or CODA eagerly; every sampling kind equals the reference."""
+    jobs = make_workload(random.Random("fast-startup"), 7, depth=DEPTH["toy-ouro"], exit_mode="trace",
+                         sampling=("greedy", "temperature", "top_k", "top_p"), max_prompt_len=12, max_tokens=6,
+                         spread=1)
+    with make_llm("toy-ouro", exit_mode="trace", loops_per_plan=DEPTH["toy-ouro"], max_num_seqs=6) as llm:
+        runner = llm.engine.executor._worker.runner
+        runner.use_pass_graphs(emulate=True)
+        runner.capture_pass_graphs()
+        graphs = runner._graphs
+        assert graphs.row_buckets == (1, 2, 4, 8) and graphs.widths() == (4, 8, 16, 32)  # 512 positions / 16
+        started = runner.graph_stats
+        captures = 4 * 4 + 4 * 2  # loop passes rows × widths, CODA rows × (greedy, sampling)
+        assert started["startup_captures"] == started["captures"] == captures and started["lazy_captures"] == 0
+        run = run_workload(llm, jobs)
+        assert_matches_reference(run, "toy-ouro", kv_layout="last_exited", exit_mode="trace")
+        run.assert_resources_returned()
+        stats = runner.graph_stats
+    assert stats["replays"] > 0 and stats["eager_passes"] == 0
+    assert stats["coda_replays"] > 0 and stats["coda_eager"] == 0
+    assert stats["captures"] == captures and stats["lazy_captures"] == 0
+
+
+def test_huginn_coda_stays_eager() -> None:
+    """Huginn's coda attends (its coda K/V): no CODA graphs; its loop passes still are graphed."""
+    with make_llm("toy-huginn", exit_mode="trace", loops_per_plan=DEPTH["toy-huginn"], max_num_seqs=4) as llm:
+        runner = llm.engine.executor._worker.runner
+        runner.use_pass_graphs(emulate=True)
+        assert runner._graphs.coda is None
+        run = run_workload(llm, _jobs("toy-huginn", "trace"))
+        assert_matches_reference(run, "toy-huginn", kv_layout="last_exited", exit_mode="trace")
+        assert runner.graph_stats["coda_replays"] == 0 and runner.graph_stats["replays"] > 0
+
+
+def test_graph_capture_option() -> None:
+    from rlt_engine.config import EngineConfig
+
+    assert EngineConfig(device="cuda").resolved().worker_config("cuda").cuda_graph_capture == "startup"
+    lazy = EngineConfig(device="cuda", cuda_graph_capture="lazy").resolved()
+    assert lazy.worker_config("cuda").cuda_graph_capture == "lazy"
+    with pytest.raises(ValueError, match="cuda_graph_capture"):
+        EngineConfig(cuda_graph_capture="never")
+
+
+def test_failed_coda_capture_keeps_pass_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CODA capture that fails (say, out of memory beside a full KV pool) turns off CODA graphs only."""
+    with make_llm("toy-ouro", exit_mode="trace", loops_per_plan=DEPTH["toy-ouro"], max_num_seqs=4) as llm:
+        runner = llm.engine.executor._worker.runner
+        runner.use_pass_graphs(emulate=True)
+        graphs = runner._graphs
+        real = graphs._capture
+
+        def capture(fn, warm_up):
+            if fn.func == graphs.coda._coda:
+                raise RuntimeError("CUDA out of memory (simulated)")
+            return real(fn, warm_up)
+
+        monkeypatch.setattr(graphs, "_capture", capture)
+        run = run_workload(llm, _jobs("toy-ouro", "trace"))
+        assert_matches_reference(run, "toy-ouro", kv_layout="last_exited", exit_mode="trace")
+        stats = runner.graph_stats
+    assert "simulated" in stats["coda_error"] and stats["error"] is None
+    assert stats["replays"] > 0 and stats["coda_replays"] == 0 and stats["coda_eager"] > 0

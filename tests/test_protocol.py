@@ -209,6 +209,9 @@ worker_configs = st.builds(
     attention_backend=st.sampled_from(["torch", "triton"]),
     state_init=st.sampled_from(["random", "zero"]),
     num_threads=st.integers(0, 64),
+    cuda_graphs=st.booleans(),
+    fused_layers=st.booleans(),
+    cuda_graph_capture=st.sampled_from(["startup", "lazy"]),
 )
 model_infos = st.builds(
     ModelInfo,

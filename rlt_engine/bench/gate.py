@@ -132,7 +132,10 @@ def record_coda_logits(llm: Any, keep: Callable[[Any], Any]) -> dict[tuple[int, 
                 if sampled.any():  # the runner calls the head only when some row samples
                     pending.append((batch.col("keys")[sampled].tolist(), indices[sampled].tolist()))
 
-    model = llm.engine.executor._worker.runner.model
+    runner = llm.engine.executor._worker.runner
+    if runner._graphs is not None:  # a CODA graph calls lm_head only while it is captured: run CODA eagerly
+        runner._graphs.coda = None
+    model = runner.model
     real_head = model.lm_head
 
     def head(hidden: Any) -> Any:

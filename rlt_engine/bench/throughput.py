@@ -383,8 +383,9 @@ class Grid:
         a = self.args
         options = dict(self._options(_engine_exit(mode)), workers=workers, attention_backend=a.attention_backend,
                        loops_per_plan=a.loops_per_plan)
-        if a.cuda_graphs is not None:
-            options["cuda_graphs"] = a.cuda_graphs
+        for flag in ("cuda_graphs", "fused_layers"):  # None: the engine's default
+            if getattr(a, flag) is not None:
+                options[flag] = getattr(a, flag)
         return options
 
     def workload(self, mode: str, output_len: int) -> Workload:
@@ -462,7 +463,9 @@ class Grid:
         """The configuration built in the gate dtype must equal the torch path (the verdict goes to meta.gate)."""
         log(f"== {key}: gate ({self.gate_dtype}, {gate.GATE_REQUESTS} requests)")
         t0 = time.perf_counter()
-        started = self._start(dict(options, dtype=self.gate_dtype, num_blocks=self._gate_pool()))
+        # Lazy graph capture: the gate engine serves 8 requests, a start-up capture of every bucket would cost more.
+        started = self._start(dict(options, dtype=self.gate_dtype, num_blocks=self._gate_pool(),
+                                   cuda_graph_capture="lazy"))
         if isinstance(started, str):
             self.meta.setdefault("gate", {})[key] = {"error": started}
             return False
@@ -770,6 +773,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="decode loop passes from CUDA graphs (default: the engine's, on for CUDA + Triton)")
+    p.add_argument("--fused-layers", action=argparse.BooleanOptionalAction, default=None,
+                   help="Ouro's layers through the fused Triton kernels (default: the engine's, on for CUDA + Triton)")
     p.add_argument("--loops-per-plan", type=int, default=0, help="0 = the engine's default (D on CUDA, 1 on CPU)")
     p.add_argument("--hbm-tbps", type=float, default=HBM_TBPS, help="HBM bandwidth of the floor, TB/s")
     p.add_argument("--json", default=None, help="write the raw numbers here (rewritten after every configuration)")
@@ -811,7 +816,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "max_seconds": args.max_seconds, "total_seconds": args.total_seconds, "block_size": args.block_size,
         "prefill_chunk_size": args.prefill_chunk_size, "attention_backend": resolved.attention_backend,
         "ouro_threshold": args.ouro_threshold, "gate_dtype": grid.gate_dtype, "gate_output_len": args.gate_output_len,
-        "cuda_graphs": args.cuda_graphs, "loops_per_plan": args.loops_per_plan,
+        "cuda_graphs": args.cuda_graphs, "fused_layers": args.fused_layers, "loops_per_plan": args.loops_per_plan,
         "sampling": "greedy, ignore_eos",
     }
     log(f"rlt-bench throughput: {args.model} {args.dtype} on {grid.meta.get('gpu', args.device)}, "

@@ -1,0 +1,113 @@
+"""CODA (LM head + sampling) of models whose coda has no attention (Ouro), replayed from CUDA graphs.
+
+Eager, a CODA batch is the head GEMM plus ~40 small kernels of the sampler (greedy) or a few
+hundred (Philox noise, top-k/top-p sort and masks, Gumbel argmax), each paying its launch. A graph
+per (rows bucket, greedy | sampling) captures: the gather of the rows' state and sampling
+parameters from the runner's per-slot tensors, `coda` (Ouro: identity), `lm_head` and
+`sampler.sample`, into static token and logprob buffers. Its inputs are one static [3, rows]
+index buffer (slots, seeds, sample indices) written by one host→device copy per batch; after the
+replay the real rows' tokens go to the slot table (`runner.tokens`) and their copies to the result.
+
+    rows bucket  the loop passes' buckets (1, 2, 4, … ≤ the slot count's); padding rows read slot
+                 0's state and parameters (only read: sampling is row-wise, so they change no real
+                 row) and their outputs are dropped
+    kind         greedy (every row's temperature ≤ 0: the host knows) or sampling (the general path,
+                 exact for greedy rows too)
+
+Eager instead: batches with forced tokens, with rows that only replay (sample index −1), and
+with more rows than the largest bucket (`coda_eager` counts them). Graphs share the loop passes'
+memory pool and side stream, and are captured with them at start-up (`LoopPassGraphs.capture_all`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from rlt_worker.sampler import SamplingTensors, sample
+
+if TYPE_CHECKING:
+    from rlt_worker.cuda_graphs import LoopPassGraphs
+
+log = logging.getLogger("rlt.worker")
+
+
+class CodaGraphs:
+    """Captures and replays CODA batches (module docstring); owned by the runner's LoopPassGraphs."""
+
+    def __init__(self, passes: LoopPassGraphs) -> None:
+        self.passes = passes
+        self.runner = passes.runner
+        device = self.runner.device
+        self._index = {b: torch.zeros(3, b, dtype=torch.long, device=device) for b in passes.row_buckets}
+        self._graphs: dict[tuple[int, bool], Any] = {}
+        self._outputs: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.error: str | None = None  # a capture failed: every later CODA runs eagerly
+
+    def capture_all(self) -> int:
+        """Capture every (rows bucket, greedy) not captured yet, largest first; the number captured."""
+        keys = [(rows, greedy) for rows in reversed(self.passes.row_buckets) for greedy in (True, False)]
+        return sum(self._graph(key) is not None for key in keys if key not in self._graphs)
+
+    def _graph(self, key: tuple[int, bool]) -> Any:
+        """The key's graph, captured now if it is not yet; None when capturing failed (now or before).
+
+        A failed CODA capture (e.g. the sampler's [rows, vocab] float64 buffers not fitting beside a
+        full KV pool) turns off CODA graphs only: the loop passes keep theirs."""
+        if key not in self._graphs and self.error is None and self.passes.stats.error is None:
+            rows, greedy = key
+            try:
+                self._graphs[key] = self.passes._capture(functools.partial(self._coda, rows, greedy),
+                                                         self._warm_up(rows))
+            except Exception as exc:  # keep serving: CODA runs eagerly from now on
+                log.exception("CUDA graph capture of CODA of %d rows failed; CODA runs eagerly", rows)
+                self.error = self.passes.stats.coda_error = f"{type(exc).__name__}: {exc}"
+        return self._graphs.get(key)
+
+    def run(
+        self, slots: np.ndarray, seeds: np.ndarray, indices: np.ndarray, greedy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(tokens, logprobs) of these rows from a graph, the tokens also stored in their slots; None
+        (nothing run) when no bucket fits or capturing failed."""
+        stats = self.passes.stats
+        n = len(slots)
+        rows = next((b for b in self.passes.row_buckets if b >= n), None)
+        if rows is None or stats.error is not None or self.error is not None:
+            stats.coda_eager += 1
+            return None
+        key = (rows, greedy)
+        lazy = key not in self._graphs
+        graph = self._graph(key)
+        if graph is None:
+            stats.coda_eager += 1
+            return None
+        stats.lazy_captures += lazy
+        host = np.zeros((3, rows), dtype=np.int64)  # padding rows: slot 0, seed 0, index 0
+        host[0, :n], host[1, :n], host[2, :n] = slots, seeds, indices
+        index = self._index[rows]
+        source = torch.from_numpy(host)
+        if self.runner.device.type == "cuda":
+            source = source.pin_memory()
+        index.copy_(source, non_blocking=True)
+        graph.replay()
+        tokens, logprobs = self._outputs[key]
+        self.runner.tokens[index[0, :n]] = tokens[:n]
+        stats.coda_replays += 1
+        return tokens[:n].clone(), logprobs[:n].clone()  # the next replay overwrites the static buffers
+
+    def _warm_up(self, rows: int) -> functools.partial:
+        return functools.partial(self._index[rows].zero_)  # slot 0, seed 0, index 0: reads only
+
+    def _coda(self, rows: int, greedy: bool) -> None:
+        """The captured function: head and sampler over the bucket's static rows."""
+        runner = self.runner
+        slots, seeds, indices = self._index[rows]
+        positions = torch.zeros_like(slots)  # unread: this coda has no attention
+        hidden = runner.model.coda(runner.state[slots], positions, runner._context(slots, positions, None, 1))
+        params = SamplingTensors(temperature=runner.temperature[slots], top_k=runner.top_k[slots],
+                                 top_p=runner.top_p[slots], seeds=seeds, indices=indices)
+        self._outputs[(rows, greedy)] = sample(runner.model.lm_head(hidden), params, all_greedy=greedy)

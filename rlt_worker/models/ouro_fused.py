@@ -1,0 +1,145 @@
+"""Ouro's loop through fused Triton kernels over packed weights: the CUDA fast path.
+
+`FusedOuroModel` wraps a loaded `OuroModel` (the reference, which keeps serving every other stage)
+and runs `loop` as, per decoder layer,
+
+    qkv = y·W_qkv                      one GEMM (q|k|v packed at load time)
+    q, k = rope_qk(qkv)                one launch for both; v is read in place from qkv
+    a = ctx.attend(q, k, v)            the context's K/V write and paged attention (unchanged)
+    x, y = add_rmsnorm(x, a·W_o)       x + input_layernorm_2(·), then post_attention_layernorm
+    m = swiglu(y·W_gate_up)·W_down     one GEMM (gate|up packed), one launch, one GEMM
+    x, y = add_rmsnorm(x, m)           x + post_attention_layernorm_2(·), then the next layer's
+                                       input_layernorm (model.norm after the last layer)
+
+plus one plain RMSNorm at the loop's start: 2 + 4 GEMMs + the attention's launches per layer
+instead of ~58 kernels. Packing concatenates q|k|v and gate|up into one weight each and re-points
+the reference modules' weights at views of it, so no weight is held twice and the checkpoint's
+names (the reference's state_dict, under `reference.`) are unchanged.
+
+The kernels round as the torch modules do (rlt_worker/kernels/fused_ops.py), but the mean of
+squares and the packed GEMMs reduce in other orders, so results equal the reference's up to the
+last bit of fp32 (SPEC §7a), not bit for bit. Chosen once, by the worker (`fused_layers`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlt_worker.kernels.fused_ops import add_rmsnorm, rope_qk, rope_table, swiglu
+
+from .base import AttentionContext, LayerId, LoopedModel
+from .ouro import OuroDecoderLayer, OuroModel
+
+log = logging.getLogger("rlt.worker")
+
+
+class PackedLayer(NamedTuple):
+    """One decoder layer's weights as the fused loop reads them."""
+
+    layer: LayerId
+    qkv: torch.Tensor  # [(Hq + 2·Hkv)·Dh, H]: q_proj | k_proj | v_proj rows
+    o: torch.Tensor  # [H, Hq·Dh]
+    gate_up: torch.Tensor  # [2·I, H]: gate_proj | up_proj rows
+    down: torch.Tensor  # [H, I]
+    input_norm: torch.Tensor
+    input_norm_2: torch.Tensor
+    post_norm: torch.Tensor
+    post_norm_2: torch.Tensor
+
+
+def _pack(linears: list[nn.Linear]) -> torch.Tensor:
+    """Concatenate the linears' weights by rows; each module's weight becomes a view of the result."""
+    packed = torch.cat([m.weight for m in linears])
+    start = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight = nn.Parameter(packed[start : start + rows], requires_grad=False)
+        start += rows
+    return packed
+
+
+def pack_layer(layer: OuroDecoderLayer) -> PackedLayer:
+    """Pack one layer's q|k|v and gate|up (in place: the modules then hold views)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return PackedLayer(
+        layer=attn.layer,
+        qkv=_pack([attn.q_proj, attn.k_proj, attn.v_proj]),
+        o=attn.o_proj.weight,
+        gate_up=_pack([mlp.gate_proj, mlp.up_proj]),
+        down=mlp.down_proj.weight,
+        input_norm=layer.input_layernorm.weight,
+        input_norm_2=layer.input_layernorm_2.weight,
+        post_norm=layer.post_attention_layernorm.weight,
+        post_norm_2=layer.post_attention_layernorm_2.weight,
+    )
+
+
+class FusedOuroModel(LoopedModel):
+    """The stage API of a loaded OuroModel, with `loop` through the fused kernels (module docstring)."""
+
+    def __init__(self, reference: OuroModel) -> None:
+        super().__init__()
+        self.reference = reference
+        self.config = reference.config
+        self.info = reference.info
+        cfg = self.config
+        self._heads, self._kv_heads, self._head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self._eps = cfg.rms_norm_eps
+        self._layers = [pack_layer(layer) for layer in reference.model.layers]
+        self._final_norm = reference.model.norm.weight.detach()  # a plain tensor: not a parameter of this module
+        weight = self._final_norm
+        # Every position the model supports, as split_half_cos_sin computes it (fp32, then cast).
+        self._cos, self._sin = rope_table(cfg.max_position_embeddings, cfg.head_dim, cfg.rope_theta, weight.dtype,
+                                          weight.device)
+
+    def embed(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """The reference's embedding."""
+        return self.reference.embed(token_ids, positions, ctx)
+
+    def init_state(self, embedded: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
+        """The reference's (the embedding)."""
+        return self.reference.init_state(embedded, noise)
+
+    def loop(
+        self, state: torch.Tensor, embedded: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        """All L decoder layers then `model.norm`, through the fused kernels."""
+        n = state.shape[0]
+        heads, kv_heads, head_dim, eps = self._heads, self._kv_heads, self._head_dim, self._eps
+        layers = self._layers
+        x, y = add_rmsnorm(state, None, None, layers[0].input_norm, eps)
+        for i, w in enumerate(layers):
+            qkv = F.linear(y, w.qkv)
+            q, k = rope_qk(qkv, positions, self._cos, self._sin, heads, kv_heads, head_dim)
+            v = qkv[:, (heads + kv_heads) * head_dim :].view(n, kv_heads, head_dim)
+            attn = ctx.attend(w.layer, q, k, v).reshape(n, heads * head_dim)
+            x, y = add_rmsnorm(x, F.linear(attn, w.o), w.input_norm_2, w.post_norm, eps)
+            mlp = F.linear(swiglu(F.linear(y, w.gate_up)), w.down)
+            closing = layers[i + 1].input_norm if i + 1 < len(layers) else self._final_norm
+            x, y = add_rmsnorm(x, mlp, w.post_norm_2, closing, eps)
+        return y
+
+    def exit_gate(self, state: torch.Tensor) -> torch.Tensor:
+        """The reference's gate."""
+        return self.reference.exit_gate(state)
+
+    def coda(self, state: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """The reference's (identity)."""
+        return self.reference.coda(state, positions, ctx)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The reference's head."""
+        return self.reference.lm_head(hidden)
+
+
+def with_fused_layers(model: LoopedModel) -> LoopedModel:
+    """The worker's seam: Ouro gets FusedOuroModel; other families (Huginn) keep their torch modules."""
+    if isinstance(model, OuroModel):
+        return FusedOuroModel(model)
+    log.info("fused_layers: no fused path for the %s family; its torch modules run", model.info.family)
+    return model

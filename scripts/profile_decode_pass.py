@@ -1,0 +1,279 @@
+"""Profile one decode loop pass: the torch modules against the fused path, both replayed from CUDA graphs.
+
+Run on the GPU host (one command; ~1–2 minutes):
+
+    python scripts/profile_decode_pass.py [--json $OUT/profile_decode_pass.json]
+
+Defaults: synthetic-ouro-1.4b, rows 1 and 32, every row at position context−1 (context 1,024, so
+64 blocks of 16: width bucket 64), loop depth 1, Triton attention, LAST_EXITED. For each path
+(`torch`: OuroModel's modules, today's graphs; `fused`: FusedOuroModel) and row count it reports
+
+- kernels per pass: CUDA kernels of one eager pass under torch.profiler (the kernels the graph
+  holds), and per decoder layer;
+- GPU time per pass: CUDA events around each of `--replays` graph replays, median (p10, p90);
+- CODA (LM head + sampling, greedy and Philox sampling) per row count: graph replay GPU time,
+  the same function's eager wall time, its kernels;
+- parity: one pass of both paths from the same state over the same KV pool, per dtype
+  (bfloat16 is timed; float32 is compared only): max |Δ| / max |torch|, worst row cosine.
+
+Both paths share one KV pool of random K/V (only values read by attention; both write their own
+K/V of the pass at the same slots). The bytes a pass must read (loop weights + the context's K/V)
+are printed with the time they take at `--hbm-tbps`.
+
+`--device cpu --model toy-ouro --dtypes float32` runs the same code under Triton's interpreter with
+emulated graphs (a smoke test of the script; its times mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="synthetic-ouro-1.4b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtypes", default="bfloat16,float32", help="first is timed and profiled; all are compared")
+    p.add_argument("--rows", default="1,32")
+    p.add_argument("--context", type=int, default=1024, help="context length of every row (positions 0 … context−1)")
+    p.add_argument("--replays", type=int, default=200)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for the bytes floor (H200: 4.8 TB/s)")
+    p.add_argument("--top", type=int, default=0, help="print the N most frequent kernel names per path")
+    p.add_argument("--json", default=None, help="write the results here")
+    return p.parse_args(argv)
+
+
+ARGS = parse_args() if __name__ == "__main__" else None
+if ARGS is not None and ARGS.device == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from protocol.columns import I32, I64, pack  # noqa: E402
+from protocol.messages import Admit, BlockAppends, ExecutionPlan  # noqa: E402
+from rlt_worker.kv_storage import KVStorage, num_planes  # noqa: E402
+from rlt_worker.model_runner import ModelRunner, RunnerConfig  # noqa: E402
+from rlt_worker.models.loader import load_model  # noqa: E402
+from rlt_worker.models.ouro_fused import FusedOuroModel  # noqa: E402
+from rlt_worker.worker import DTYPES  # noqa: E402
+
+
+class Setup:
+    """One dtype: the reference model, its fused wrapper, one KV pool, and a runner per path."""
+
+    def __init__(self, args: argparse.Namespace, dtype: torch.dtype, max_rows: int) -> None:
+        device = torch.device(args.device)
+        self.device, self.dtype = device, dtype
+        self.reference = load_model(args.model, dtype=dtype, device=device)
+        info = self.reference.info
+        self.info = info
+        self.depth = info.default_loops
+        self.blocks_per_row = math.ceil(args.context / args.block_size)
+        num_blocks = max_rows * self.blocks_per_row
+        self.storage = KVStorage(info, num_blocks + 1, args.block_size, dtype, device)
+        gen = torch.Generator(device=device).manual_seed(0)
+        self.storage.pool.normal_(generator=gen)
+        self.fused = FusedOuroModel(self.reference)  # packs the reference's weights in place (views)
+        planes = num_planes(info, "last_exited", self.depth)
+        self.runners = {name: self._runner(model, planes, max_rows, num_blocks)
+                        for name, model in (("torch", self.reference), ("fused", self.fused))}
+        state = torch.randn(max_rows, info.hidden_size, generator=gen, device=device, dtype=torch.float32)
+        with torch.inference_mode():
+            self.state0 = self.reference.model.norm(state.to(dtype))  # a loop's input is a normed state
+
+    def _runner(self, model, planes: int, max_rows: int, num_blocks: int) -> ModelRunner:
+        cuda = self.device.type == "cuda"
+        config = RunnerConfig(kv_layout="last_exited", max_loops=self.depth, num_planes=planes, max_slots=max_rows,
+                              attention_backend="triton", state_init="random", scratch_block=num_blocks,
+                              cuda_graphs=cuda, graph_capture="lazy")
+        runner = ModelRunner(model, self.storage, config)
+        if not cuda:
+            runner.use_pass_graphs(emulate=True)
+        # Row r: slot r, blocks r·B … r·B + B − 1 in every plane (only plane 0 is read: depth 1).
+        b = self.blocks_per_row
+        ids = np.concatenate([np.tile(np.arange(r * b, (r + 1) * b), planes) for r in range(max_rows)])
+        runner.execute(ExecutionPlan(
+            step_id=0, admits=[Admit(key=r, generation=0) for r in range(max_rows)],
+            block_appends=BlockAppends(keys=pack(range(max_rows), I64), generations=pack([0] * max_rows, I64),
+                                       num_new=pack([b] * max_rows, I32), block_ids=pack(ids, I32)),
+        ))
+        return runner
+
+    def run_pass(self, name: str, rows: int, context: int) -> torch.Tensor:
+        """One pass of `rows` rows from state0 (graph replay; captured on first use); the new states."""
+        runner = self.runners[name]
+        runner.state[:rows] = self.state0[:rows]
+        slots = np.arange(rows)
+        assert runner._graphs.run(slots, np.full(rows, context - 1), np.ones(rows, dtype=np.int64))
+        return runner.state[:rows].clone()
+
+    def graph(self, name: str, rows: int, context: int):
+        graphs = self.runners[name]._graphs
+        key = graphs.bucket(rows, context - 1)
+        return key, graphs._graphs[key]
+
+
+def time_replays(graph, replays: int, cuda: bool) -> list[float]:
+    """Milliseconds of each replay (CUDA events on the GPU, wall time otherwise)."""
+    if not cuda:
+        times = []
+        for _ in range(replays):
+            t0 = time.perf_counter()
+            graph.replay()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return times
+    for _ in range(5):
+        graph.replay()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    for s, e in zip(starts, ends, strict=True):
+        s.record()
+        graph.replay()
+        e.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
+
+
+def count_kernels(fn, cuda: bool) -> tuple[int | None, dict[str, int]]:
+    """CUDA kernels one call of fn launches (torch.profiler), and their names' counts."""
+    if not cuda:
+        return None, {}
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names: dict[str, int] = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if event.name.startswith(("Memcpy", "Memset", "cudaMemcpy", "cudaMemset")):
+            continue
+        names[event.name] = names.get(event.name, 0) + 1
+    return sum(names.values()), names
+
+
+def pass_bytes(setup: Setup, rows: int, context: int) -> int:
+    """Bytes one pass must read at least: the loop's weights once, and every row's context K/V."""
+    weights = sum(t.numel() * t.element_size() for t in setup.reference.model.layers.parameters())
+    info = setup.info
+    per_position = info.num_loop_kv_layers * 2 * info.num_kv_heads * info.head_dim * setup.storage.pool.element_size()
+    kv = rows * context * per_position
+    return weights + kv
+
+
+def profile_coda(setup: Setup, rows: int, replays: int, cuda: bool) -> list[dict]:
+    """CODA (LM head + sampling) of `rows` rows, greedy and sampling: graph replay GPU time and the
+    same function's eager wall time."""
+    coda = setup.runners["fused"]._graphs.coda
+    out = []
+    for greedy in (True, False):
+        slots = np.arange(rows)
+        assert coda.run(slots, slots, slots, greedy) is not None  # captures the bucket on first use
+        bucket = next(b for b in coda.passes.row_buckets if b >= rows)
+        times = time_replays(coda._graphs[(bucket, greedy)], replays, cuda)
+        eager = []
+        for _ in range(max(3, replays // 10)):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            coda._coda(bucket, greedy)
+            if cuda:
+                torch.cuda.synchronize()
+            eager.append((time.perf_counter() - t0) * 1e3)
+        kernels, _ = count_kernels(lambda b=bucket, g=greedy: coda._coda(b, g), cuda)
+        out.append({"rows": rows, "kind": "greedy" if greedy else "sampling", "kernels": kernels,
+                    "graph_gpu_ms_median": statistics.median(times), "eager_wall_ms_median": statistics.median(eager)})
+    return out
+
+
+def parity(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
+    a, b = a.double(), b.double()
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=-1).min()
+    return {"max_abs_diff": float((a - b).abs().max()), "rel_diff": float((a - b).abs().max() / a.abs().max()),
+            "worst_row_cosine": float(cos), "bit_equal_fraction": float((a == b).double().mean())}
+
+
+def main(args: argparse.Namespace) -> dict:
+    rows_list = [int(r) for r in args.rows.split(",")]
+    dtype_names = args.dtypes.split(",")
+    cuda = args.device.startswith("cuda")
+    report: dict = {"model": args.model, "device": torch.cuda.get_device_name() if cuda else "cpu",
+                    "torch": torch.__version__, "context": args.context, "passes": [], "parity": [], "coda": []}
+    try:
+        import triton
+
+        report["triton"] = triton.__version__
+    except ImportError:
+        pass
+    for d, dtype_name in enumerate(dtype_names):
+        setup = Setup(args, DTYPES[dtype_name], max(rows_list))
+        layers = setup.info.num_loop_kv_layers
+        for rows in rows_list:
+            outs = {name: setup.run_pass(name, rows, args.context) for name in setup.runners}
+            report["parity"].append({"dtype": dtype_name, "rows": rows, **parity(outs["torch"], outs["fused"])})
+            if d:  # only the first dtype is timed
+                continue
+            floor_ms = pass_bytes(setup, rows, args.context) / (args.hbm_tbps * 1e12) * 1e3
+            for name, runner in setup.runners.items():
+                (bucket_rows, width), graph = setup.graph(name, rows, args.context)
+                kernels, names = count_kernels(lambda r=runner, br=bucket_rows, w=width: r._graphs._pass(br, w), cuda)
+                times = time_replays(graph, args.replays, cuda)
+                q = statistics.quantiles(times, n=10) if len(times) >= 10 else [min(times)] * 9
+                report["passes"].append({
+                    "path": name, "dtype": dtype_name, "rows": rows, "bucket": f"{bucket_rows}x{width}",
+                    "kernels": kernels, "kernels_per_layer": None if kernels is None else round(kernels / layers, 2),
+                    "gpu_ms_median": statistics.median(times), "gpu_ms_p10": q[0], "gpu_ms_p90": q[-1],
+                    "replays": len(times), "bytes_floor_ms": floor_ms,
+                    "top_kernels": sorted(names.items(), key=lambda kv: -kv[1])[: args.top] if args.top else [],
+                })
+            if cuda or setup.runners["fused"]._graphs.coda is not None:
+                report["coda"].extend(profile_coda(setup, rows, args.replays, cuda))
+        del setup
+        if cuda:
+            torch.cuda.empty_cache()
+    return report
+
+
+def print_report(report: dict, hbm_tbps: float) -> None:
+    print(f"{report['model']} on {report['device']} (torch {report['torch']}, triton {report.get('triton')}), "
+          f"context {report['context']}, one loop pass per replay")
+    print(f"{'path':6} {'dtype':9} {'rows':>4} {'bucket':>7} {'kernels':>8} {'/layer':>7} {'GPU ms p50':>10} "
+          f"{'p10':>7} {'p90':>7} {'bytes floor ms':>15}")
+    for p in report["passes"]:
+        kernels = "-" if p["kernels"] is None else str(p["kernels"])
+        per_layer = "-" if p["kernels_per_layer"] is None else f"{p['kernels_per_layer']:.1f}"
+        print(f"{p['path']:6} {p['dtype']:9} {p['rows']:>4} {p['bucket']:>7} {kernels:>8} {per_layer:>7} "
+              f"{p['gpu_ms_median']:>10.3f} {p['gpu_ms_p10']:>7.3f} {p['gpu_ms_p90']:>7.3f} "
+              f"{p['bytes_floor_ms']:>15.3f}")
+        for name, count in p["top_kernels"]:
+            print(f"        {count:5d}  {name[:110]}")
+    print(f"(bytes floor: loop weights + context K/V at {hbm_tbps} TB/s)")
+    for c in report["coda"]:
+        kernels = "-" if c["kernels"] is None else c["kernels"]
+        print(f"CODA {c['kind']:8} rows {c['rows']:>3}: {kernels} kernels, graph {c['graph_gpu_ms_median']:.3f} ms "
+              f"GPU, eager {c['eager_wall_ms_median']:.3f} ms wall")
+    print("parity, fused vs torch, one pass from the same state:")
+    for q in report["parity"]:
+        print(f"  {q['dtype']:9} rows {q['rows']:>3}: max|Δ| {q['max_abs_diff']:.3e}, max|Δ|/max|torch| "
+              f"{q['rel_diff']:.3e}, worst row cosine {q['worst_row_cosine']:.7f}, "
+              f"bit-equal {100 * q['bit_equal_fraction']:.1f}%")
+
+
+if __name__ == "__main__":
+    report = main(ARGS)
+    print_report(report, ARGS.hbm_tbps)
+    if ARGS.json:
+        with open(ARGS.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)

@@ -1,0 +1,249 @@
+"""The fused Ouro kernels (rlt_worker/kernels/fused_ops.py) and FusedOuroModel against the torch modules.
+
+CPU: in Triton's interpreter, in one child process started with TRITON_INTERPRET=1 (the pattern of
+test_triton_attention.py), float32 and float64 on tiny shapes. Tolerances: every elementwise step
+rounds as torch's does, but the mean of squares in RMSNorm is summed in another order (and, for the
+whole loop, the packed q|k|v and gate|up GEMMs block their sums differently), so float32 agrees to
+a few ulps (rtol 1e-6 per kernel, 1e-5 after a whole loop), float64 to 1e-12; RoPE and SwiGLU have
+no reduction and are held to the same bounds. bf16 is checked on the GPU only: the interpreter
+truncates fp32→bf16 casts instead of rounding them.
+
+The float64 engine run (fused loop + emulated pass graphs, toy-ouro) must give exactly the dense
+reference's tokens and exit depths (SPEC §7a).
+
+GPU (marked gpu): the compiled kernels at Ouro-1.4B widths in bf16 within one bf16 ulp of the torch
+composition, and float32 within the CPU bounds.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlt_worker.attention import triton_backend as tb
+
+pytestmark = pytest.mark.skipif(tb.triton is None, reason="Triton is not installed")
+
+TOL = {torch.float32: dict(rtol=1e-6, atol=1e-6), torch.float64: dict(rtol=1e-12, atol=1e-12)}
+LOOP_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1e-12, atol=1e-12)}
+
+
+def _rmsnorm(dim: int, dtype: torch.dtype, device: str, gen: torch.Generator):
+    from rlt_worker.models.layers import RMSNorm
+
+    norm = RMSNorm(dim, 1e-6).to(device=device, dtype=dtype)
+    norm.weight.data = (1 + 0.1 * torch.randn(dim, generator=gen, dtype=torch.float64)).to(device, dtype)
+    return norm
+
+
+def check_add_rmsnorm(dtype: torch.dtype, hidden: int, rows: int = 5, device: str = "cpu", tol=None) -> None:
+    """x' = x + norm_a(h), y = norm_b(x') (and y = norm_b(x) without h), as the RMSNorm modules compute."""
+    from rlt_worker.kernels.fused_ops import add_rmsnorm
+
+    gen = torch.Generator().manual_seed(hidden)
+    norm_a, norm_b = _rmsnorm(hidden, dtype, device, gen), _rmsnorm(hidden, dtype, device, gen)
+    # x is a row-strided view (a column slice of a wider buffer): the kernels read row strides.
+    wide = torch.randn(rows, hidden + 7, generator=gen, dtype=torch.float64).to(device, dtype)
+    x = wide[:, 3 : 3 + hidden]
+    h = (3 * torch.randn(rows, hidden, generator=gen, dtype=torch.float64)).to(device, dtype)
+    want_x = x + norm_a(h)
+    got_x, got_y = add_rmsnorm(x, h, norm_a.weight, norm_b.weight, 1e-6)
+    tol = tol or TOL[dtype]
+    torch.testing.assert_close(got_x, want_x, **tol)
+    torch.testing.assert_close(got_y, norm_b(want_x), **tol)
+    same_x, plain = add_rmsnorm(x, None, None, norm_b.weight, 1e-6)
+    assert same_x is x
+    torch.testing.assert_close(plain, norm_b(x), **tol)
+
+
+def check_rope(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, device: str = "cpu", tol=None) -> None:
+    """q and k of packed q|k|v rows, rotated as layers.apply_split_half does with split_half_cos_sin."""
+    from rlt_worker.kernels.fused_ops import rope_qk, rope_table
+    from rlt_worker.models.layers import apply_split_half, split_half_cos_sin
+
+    gen = torch.Generator().manual_seed(head_dim)
+    positions = torch.tensor([0, 3, 17, 100, 5, 511, 1000]).to(device)
+    n = len(positions)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim, generator=gen, dtype=torch.float64).to(device, dtype)
+    cos_t, sin_t = rope_table(1024, head_dim, 1e6, dtype, device)
+    q, k = rope_qk(qkv, positions, cos_t, sin_t, heads, kv_heads, head_dim)
+    cos, sin = split_half_cos_sin(positions, head_dim, 1e6, dtype)
+    want_q = apply_split_half(qkv[:, : heads * head_dim].view(n, heads, head_dim), cos, sin)
+    want_k = apply_split_half(qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(n, kv_heads, head_dim),
+                              cos, sin)
+    tol = tol or TOL[dtype]
+    torch.testing.assert_close(q, want_q, **tol)
+    torch.testing.assert_close(k, want_k, **tol)
+
+
+def check_swiglu(dtype: torch.dtype, inner: int, device: str = "cpu", tol=None) -> None:
+    """silu(gate)·up of packed gate|up rows, as layers.SwiGLU computes it between its GEMMs."""
+    from rlt_worker.kernels.fused_ops import swiglu
+
+    gen = torch.Generator().manual_seed(inner)
+    gate_up = (4 * torch.randn(3, 2 * inner, generator=gen, dtype=torch.float64)).to(device, dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(swiglu(gate_up), F.silu(gate) * up, **(tol or TOL[dtype]))
+
+
+class CausalRowsContext:
+    """Attention of a batch's rows as one causal sequence (row i reads rows 0 … i), in torch:
+    enough to see q, k and v reach the attention as the torch modules produce them."""
+
+    def attend(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = torch.einsum("nhd,thd->hnt", q, k) * q.shape[-1] ** -0.5
+        mask = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool, device=q.device).tril()
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        return torch.einsum("hnt,thd->nhd", probs, v)
+
+
+def check_fused_loop(dtype: torch.dtype, model_name: str = "toy-ouro", device: str = "cpu", tol=None) -> None:
+    """FusedOuroModel.loop equals OuroModel.loop over a few loops; packing kept the reference's weights."""
+    from rlt_worker.models.loader import load_model
+    from rlt_worker.models.ouro_fused import FusedOuroModel, with_fused_layers
+
+    reference = load_model(model_name, dtype=dtype, device=device)
+    before = {name: t.clone() for name, t in reference.state_dict().items()}
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, 256, (9,), generator=gen).to(device)
+    positions = torch.arange(9, device=device)
+    ctx = CausalRowsContext()
+    with torch.inference_mode():
+        embedded = reference.embed(tokens, positions, ctx)
+        want = [embedded]
+        for _ in range(3):
+            want.append(reference.loop(want[-1], embedded, positions, ctx))
+        fused = with_fused_layers(reference)
+        assert isinstance(fused, FusedOuroModel)
+        after = fused.reference.state_dict()
+        assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+        state = embedded
+        for loop in range(1, 4):
+            state = fused.loop(state, embedded, positions, ctx)
+            torch.testing.assert_close(state, want[loop], **(tol or LOOP_TOL[dtype]),
+                                       msg=lambda m, i=loop: f"loop {i}: {m}")
+            # Packing re-pointed the modules at views: the torch loop still computes what it did.
+            assert torch.equal(reference.loop(want[loop - 1], embedded, positions, ctx), want[loop])
+
+
+def check_engine_float64() -> None:
+    """toy-ouro, float64, trace: the fused loop under emulated pass graphs gives the dense reference's
+    tokens and exit depths exactly."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from factories import assert_matches_reference, make_llm, make_workload, run_workload
+
+    from rlt_worker.models.ouro_fused import FusedOuroModel, with_fused_layers
+
+    torch.set_num_threads(1)
+    jobs = make_workload(random.Random("fused-engine"), 5, depth=4, exit_mode="trace", max_prompt_len=10,
+                         max_tokens=5, spread=1, sampling=("greedy", "temperature"))
+    with make_llm("toy-ouro", exit_mode="trace", max_num_seqs=4, loops_per_plan=4) as llm:
+        runner = llm.engine.executor._worker.runner
+        runner.model = with_fused_layers(runner.model)
+        assert isinstance(runner.model, FusedOuroModel)
+        runner.use_pass_graphs(emulate=True)
+        run = run_workload(llm, jobs)
+        assert_matches_reference(run, "toy-ouro", kv_layout="last_exited", exit_mode="trace")
+        assert runner.graph_stats["replays"] > 0
+
+
+INTERP_CASES: dict[str, Callable[[], None]] = {
+    **{f"add_rmsnorm-{str(d)[6:]}-h{h}": functools.partial(check_add_rmsnorm, d, h)
+       for d in (torch.float32, torch.float64) for h in (48, 64)},
+    **{f"rope-{str(d)[6:]}": functools.partial(check_rope, d, 4, 2, 16) for d in (torch.float32, torch.float64)},
+    **{f"swiglu-{str(d)[6:]}-i{i}": functools.partial(check_swiglu, d, i)
+       for d in (torch.float32, torch.float64) for i in (40, 1500)},
+    **{f"loop-{str(d)[6:]}": functools.partial(check_fused_loop, d) for d in (torch.float32, torch.float64)},
+    "engine-float64": check_engine_float64,
+}
+
+
+def _run_interp_cases() -> dict[str, str]:
+    """Child process body: every case's verdict, "ok" or its traceback."""
+    verdicts = {}
+    for name, case in INTERP_CASES.items():
+        try:
+            case()
+            verdicts[name] = "ok"
+        except Exception:  # report, don't stop: each case is its own test in the parent
+            verdicts[name] = traceback.format_exc()
+    return verdicts
+
+
+@pytest.fixture(scope="module")
+def interp_verdicts() -> dict[str, str]:
+    """Run all interpreter cases once in a child with TRITON_INTERPRET=1."""
+    root = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--interp-cases"],
+        env=env, cwd=root, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"interpreter child failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", list(INTERP_CASES))
+def test_interpreter_matches_torch(interp_verdicts: dict[str, str], case: str) -> None:
+    """Each interpreter case (see INTERP_CASES) passed in the child."""
+    verdict = interp_verdicts[case]
+    assert verdict == "ok", verdict
+
+
+def test_fused_layers_is_chosen_for_cuda_with_triton_only() -> None:
+    from rlt_engine.config import EngineConfig
+
+    assert EngineConfig(device="cpu").resolved().fused_layers is False
+    assert EngineConfig(device="cpu", attention_backend="triton").resolved().fused_layers is False
+    assert EngineConfig(device="cuda", attention_backend="torch").resolved().fused_layers is False
+    cuda = EngineConfig(device="cuda").resolved()
+    assert cuda.fused_layers is True and cuda.worker_config("cuda").fused_layers is True
+    assert EngineConfig(device="cuda", fused_layers=False).resolved().fused_layers is False
+
+
+def test_huginn_keeps_its_torch_modules() -> None:
+    from rlt_worker.models.loader import load_model
+    from rlt_worker.models.ouro_fused import with_fused_layers
+
+    model = load_model("toy-huginn", dtype=torch.float32, device="cpu")
+    assert with_fused_layers(model) is model
+
+
+# ---- GPU, compiled: Ouro-1.4B widths -----------------------------------------------------------
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or tb._interpreting(),
+                                reason="needs CUDA and TRITON_INTERPRET unset")
+# bf16: one ulp relative (2^-7 of the value); atol for the rare cancellation x ≈ −w·norm(h), where one ulp
+# of the addend is many of the sum. float32: the CPU bounds.
+BF16 = dict(rtol=2.0**-7, atol=1e-2)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 32])
+def test_gpu_kernels_at_ouro_widths(dtype: torch.dtype, rows: int) -> None:
+    """The compiled kernels at hidden 2048, 16 + 16 heads of 128, intermediate 5632."""
+    tol = BF16 if dtype == torch.bfloat16 else TOL[torch.float32]
+    check_add_rmsnorm(dtype, 2048, rows=rows, device="cuda", tol=tol)
+    check_rope(dtype, 16, 16, 128, device="cuda", tol=tol)
+    check_swiglu(dtype, 5632, device="cuda", tol=tol)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--interp-cases"]:
+    print(json.dumps(_run_interp_cases()))
