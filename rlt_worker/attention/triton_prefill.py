@@ -125,10 +125,6 @@ def _prefill_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _sms(device: torch.device) -> int:
-    return tb._sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -178,23 +174,19 @@ def prefill_attention(
     max_query_len = num_rows if max_query_len is None else max(1, min(max_query_len, num_rows))
     group_pad = triton.next_power_of_2(group)
     compiled = not tb._interpreting()
-    # Defaults: 128 × 64 tiles for bf16/fp16; float32 (ieee dots, no tensor cores; a test dtype)
-    # keeps to 64 × 32 so its tiles fit the registers and shared memory.
-    wide = compiled and q.dtype != torch.float32
+    # 64 × 32 tiles, 4 warps, 2 stages: the fastest of 20 tile settings at every Ouro-1.4B chunk
+    # shape on an H200 (bf16, 32 chunks; docs/benchmarks.md), and float32 fits them too.
     if block_m is None:
-        block_m = 128 if wide else (64 if compiled else 16)
-        programs = triton.cdiv(max_query_len, max(1, block_m // group_pad)) * num_chunks * num_kv_heads
-        if wide and programs < _sms(q.device):
-            block_m = 64  # a small batch: more, smaller tiles keep every multiprocessor busy
+        block_m = 64 if compiled else 16
     if block_n is None:
-        block_n = 64 if wide else (32 if compiled else 16)
+        block_n = 32 if compiled else 16
     # tl.dot needs every dim ≥ 16 and tl.arange powers of two; a tile holds one position at least.
     block_m = triton.next_power_of_2(max(block_m, 16, group_pad))
     block_n = triton.next_power_of_2(max(block_n, 16))
     block_q = block_m // group_pad
     launch_opts: dict[str, int] = {}
     if compiled:
-        launch_opts = {"num_warps": num_warps or (8 if block_m >= 128 else 4), "num_stages": num_stages or 2}
+        launch_opts = {"num_warps": num_warps or 4, "num_stages": num_stages or 2}
 
     grid = (triton.cdiv(max_query_len, block_q), num_chunks, num_kv_heads)
     tb._kernel(_prefill_kernel)[grid](
