@@ -52,13 +52,13 @@ def _gate_jobs(mode: str) -> object:
 @pytest.mark.parametrize("mode", ["fixed", "trace", "ouro"])
 def test_float32_gate_fused_and_torch_modules(mode: str) -> None:
     options = dict(device="cuda", dtype="float32", exit_mode=mode, max_num_seqs=8, num_blocks=1024)
-    jobs, reference = gate.reference_run(MODEL, options, _gate_jobs(mode))
+    reference = gate.reference_run(MODEL, options, _gate_jobs(mode))
     _free_cuda()
     for fused in (True, False):
         with LLM(MODEL, workers=0, fused_layers=fused, **options) as llm:
             runner = llm.engine.executor._worker.runner
             assert isinstance(runner.model, FusedOuroModel) == fused
-            result = gate.check(llm, jobs, reference, "float32")
+            result = gate.check(llm, reference, "float32")
             stats = runner.graph_stats
         _free_cuda()
         print(f"\n{MODEL} float32 {mode}, fused_layers={fused}: {result.summary()}; graphs {stats}")
