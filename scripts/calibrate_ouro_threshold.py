@@ -27,7 +27,7 @@ def main() -> None:
     p.add_argument("--thresholds", default="0.4,0.5,0.6,0.7,0.8")
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=128)  # the benchmark's
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     a = p.parse_args()

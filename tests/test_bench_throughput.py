@@ -66,6 +66,7 @@ def test_resume_runs_only_what_is_missing(tmp_path, one_thread: None) -> None:
     ]
     assert results[0] == first[0]  # kept as measured, not run again
     assert set(payload["meta"]["gate"]) == {"workers=0,exit=trace", "workers=0,exit=fixed"}
+    assert [i["exit"] for i in payload["meta"]["invocations"]] == [["trace"], ["trace", "fixed"]]
     # The prefill workload joins the same file: one output token per request, prompt tokens/s.
     assert main([*TOY_GRID, "--concurrency", "2", "--exit", "prefill", "--json", str(out), "--resume"]) == 0
     prefill = json.loads(out.read_text())["results"][-1]

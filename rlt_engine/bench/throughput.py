@@ -349,7 +349,7 @@ class Grid:
     def resume(self, path: str) -> None:
         """Keep an earlier run's finished configurations (from its --json file); the rest run again."""
         meta, results = results_from_json(path)
-        self.meta.update({k: v for k, v in meta.items() if k in ("gate", "engine")})
+        self.meta.update({k: v for k, v in meta.items() if k in ("gate", "engine", "invocations")})
         self.results = [r for r in results if r.runs and not r.error]
         log(f"== resuming {path}: {len(self.results)} configuration(s) already measured")
 
@@ -701,28 +701,36 @@ def table(results: Sequence[ConfigResult]) -> str:
 
 
 def plot(results: Sequence[ConfigResult], path: str, title: str) -> bool:
-    """Throughput and ITL p50 against concurrency, one line per (workers, exit); False without matplotlib."""
+    """Throughput and ITL p50 against concurrency, one line per (workers, exit), and prompt tokens/s
+    of the prefill workload in a third panel when there is one; False without matplotlib."""
     plt = pyplot()
     if plt is None:
         return False
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     series: dict[tuple[int, str], list[ConfigResult]] = {}
     for r in results:
         if r.runs:
             series.setdefault((r.workers, r.exit_mode), []).append(r)
+    prefill = {key: rows for key, rows in series.items() if key[1] == "prefill"}
+    panels = 3 if prefill else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.2))
+    ax1, ax2 = axes[0], axes[1]
     for (workers, exit_mode), rows in sorted(series.items()):
         xs = [r.concurrency for r in rows]
         label = f"workers={workers}, exit={exit_mode}"
         style = "-" if exit_mode == "fixed" else "--"
+        if exit_mode == "prefill":
+            axes[2].plot(xs, [r.median["prompt_tokens_per_s"] for r in rows], style, marker="o", label=label)
+            continue
         ax1.plot(xs, [r.median["tokens_per_s"] for r in rows], style, marker="o", label=label)
         ax2.plot(xs, [(r.median["itl_p50_s"] or 0) * 1e3 for r in rows], style, marker="o", label=label)
-    for ax, ylabel in ((ax1, "output tokens/s"), (ax2, "ITL p50 (ms)")):
+    labels = ["output tokens/s", "ITL p50 (ms)", "prompt tokens/s (1 output token)"][:panels]
+    for ax, ylabel in zip(axes, labels, strict=True):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("concurrency (requests in flight)")
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
-    ax1.legend(fontsize=8)
+        ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -819,6 +827,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cuda_graphs": args.cuda_graphs, "fused_layers": args.fused_layers, "loops_per_plan": args.loops_per_plan,
         "sampling": "greedy, ignore_eos",
     }
+    # A resumed grid keeps every invocation's conditions: "conditions" holds only the last one's.
+    grid.meta.setdefault("invocations", []).append({
+        "commit": grid.meta.get("commit"), "exit": args.exit, "workers": args.workers,
+        "concurrency": args.concurrency, "conditions": grid.meta["conditions"],
+    })
     log(f"rlt-bench throughput: {args.model} {args.dtype} on {grid.meta.get('gpu', args.device)}, "
         f"prompt {args.prompt_len}, output {args.output_len}, concurrency {args.concurrency}, "
         f"exit {args.exit}, workers {args.workers}")
