@@ -27,7 +27,8 @@ lands inside a request's latency; with "lazy" a bucket is captured the first tim
 two warm-up passes on dummy rows only (Triton compilation, cuBLAS workspaces) on a side stream,
 then the capture, which runs nothing. All graphs share one memory pool (they are replayed one at a
 time and keep no outputs), so the captures cost the pool's largest pass plus the graphs
-themselves: `capture_mib` is the drop in free device memory over `capture_all()`. Passes with more
+themselves: `capture_mib` is the growth of the caching allocator's reserved memory over
+`capture_all()` (free device memory would also count other objects of the process being freed). Passes with more
 rows than the largest bucket, prefill, and passes that return an exit signal run eagerly
 (`eager_passes` counts the no-signal ones).
 
@@ -69,7 +70,7 @@ class GraphStats:
     startup_captures: int = 0  # captured by capture_all() before serving
     startup_capture_s: float = 0.0  # wall time of capture_all()
     lazy_captures: int = 0  # captured at first use, while serving (0 after a complete start-up capture)
-    capture_mib: float = 0.0  # device memory capture_all() took (drop in free memory), MiB
+    capture_mib: float = 0.0  # device memory capture_all() took (growth of reserved memory), MiB
     coda_replays: int = 0  # CODA batches run from a graph (rlt_worker/coda_graphs.py)
     coda_eager: int = 0  # CODA batches that could not (forced tokens, replay rows, too many rows)
     coda_error: str | None = None  # a CODA capture failed: CODA runs eagerly (the passes keep their graphs)
@@ -139,7 +140,7 @@ class LoopPassGraphs:
         device = self.runner.device
         if cuda:
             torch.cuda.synchronize(device)
-            free_before = torch.cuda.mem_get_info(device)[0]
+            reserved_before = torch.cuda.memory_reserved(device)
         t0 = time.perf_counter()
         for rows in reversed(self.row_buckets):
             for width in reversed(self.widths()):
@@ -153,7 +154,7 @@ class LoopPassGraphs:
             self.stats.startup_captures += self.coda.capture_all()
         self.stats.startup_capture_s = time.perf_counter() - t0
         if cuda:
-            self.stats.capture_mib = (free_before - torch.cuda.mem_get_info(device)[0]) / 2**20
+            self.stats.capture_mib = (torch.cuda.memory_reserved(device) - reserved_before) / 2**20
         log.info("captured %d decode-pass graphs (%d row × %d width buckets) in %.1f s, %.0f MiB",
                  self.stats.startup_captures, len(self.row_buckets), len(self.widths()), self.stats.startup_capture_s,
                  self.stats.capture_mib)
