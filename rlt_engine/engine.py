@@ -75,7 +75,6 @@ class LLMEngine:
         self._busy: set[int] = set()
         self._free_slots = [-1] * len(readies)  # as reported by each worker's last result
         self._plan_listeners: list[PlanListener] = []
-        self._aborted: list[Request] = []
         self.num_worker_restarts = 0
         self._closed = False
         self.is_dead = False  # no worker left: every request failed, nothing more can run
@@ -93,12 +92,11 @@ class LLMEngine:
         self._validate(request_id, prompt_token_ids, params)
         self.scheduler.add(request_id, prompt_token_ids, params)
 
-    def abort_request(self, request_id: str) -> bool:
-        """Abort a live request (finish reason `abort`); False if no such live request."""
+    def abort_request(self, request_id: str) -> GenerationOutput | None:
+        """Abort a live request; returns its life's final output (finish reason `abort`), or None if
+        no such request is live. No later step() returns an output of that life."""
         request = self.scheduler.abort(request_id)
-        if request is not None:
-            self._aborted.append(request)
-        return request is not None
+        return None if request is None else self._output(request)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -181,8 +179,6 @@ class LLMEngine:
                 changed.extend(self._apply(worker, result))
         # Submit before publishing: the next plans (and any slot releases) are on their way.
         self._submit_idle_workers()
-        changed.extend(self._aborted)
-        self._aborted.clear()
         return [self._output(r) for r in changed]
 
     def _submit_idle_workers(self) -> None:

@@ -328,13 +328,17 @@ class Frontend:
     # ------------------------------------------------------------------ outbound
 
     def _abort(self, live: _Live, notify: bool) -> None:
-        """End an incarnation now: abort it in the engine and send its final message at once."""
-        self.engine.abort_request(live.engine_id)
+        """End an incarnation now: abort it in the engine and send its final message at once.
+
+        The engine hands back the life's final output and never reports that life again."""
+        final = self.engine.abort_request(live.engine_id)
         self._need_step = True  # the release plan goes out with the next step
         self._forget(live)
         if notify:
-            self._send(live.client, RequestOutput(request_id=live.request_id, first_index=live.sent,
-                                                  finished=True, finish_reason="abort"))
+            if final is None:  # not live in the engine (it failed with the engine): a bare final message
+                final = GenerationOutput(request_id=live.engine_id, prompt_token_ids=[], finished=True,
+                                         finish_reason="abort")
+            self._send(live.client, self._delta(live, final))
 
     def _forget(self, live: _Live) -> None:
         self._live.pop(live.engine_id, None)
@@ -347,22 +351,26 @@ class Frontend:
             live = self._live.get(output.request_id)
             if live is None:
                 continue  # aborted here already (its final message is out) or its client is gone
-            new = output.token_ids[live.sent :]
-            text = live.text.delta(output.text, output.finished)
-            if not new and not text and not output.finished:
+            delta = self._delta(live, output)
+            if not delta.token_ids and not delta.text and not output.finished:
                 continue
-            delta = RequestOutput(
-                request_id=live.request_id, first_index=live.sent, token_ids=new,
-                exit_depths=output.exit_depths[live.sent :],
-                logprobs=output.logprobs[live.sent :] if live.want_logprobs else [],
-                text=text, finished=output.finished, finish_reason=output.finish_reason, seed=output.seed,
-                error="the engine failed this request (see the rlt-serve log)"
-                if output.finish_reason == "error" else None,
-            )
-            live.sent = len(output.token_ids)
             if output.finished:
                 self._forget(live)
             self._send(live.client, delta)
+
+    def _delta(self, live: _Live, output: GenerationOutput) -> RequestOutput:
+        """The wire message of what `output` adds to what `live` has been sent."""
+        new = output.token_ids[live.sent :]
+        delta = RequestOutput(
+            request_id=live.request_id, first_index=live.sent, token_ids=new,
+            exit_depths=output.exit_depths[live.sent :],
+            logprobs=output.logprobs[live.sent :] if live.want_logprobs else [],
+            text=live.text.delta(output.text, output.finished), finished=output.finished,
+            finish_reason=output.finish_reason, seed=output.seed,
+            error="the engine failed this request (see the rlt-serve log)" if output.finish_reason == "error" else None,
+        )
+        live.sent += len(new)
+        return delta
 
     def _fail_all(self, code: str, message: str) -> None:
         for live in list(self._live.values()):

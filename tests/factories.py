@@ -208,8 +208,8 @@ class Driver:
     plan and every output, attributing each output to the life (Job) it belongs to.
 
     An output for an id goes to the oldest life of that id that has not delivered its finished
-    output yet; so if an old life delivered anything after its end (or a reused id's new life
-    delivered before the old life's abort output) a life's stream check fails."""
+    output yet; an abort closes its life with abort_request's answer. So if an old life delivered
+    anything after its end, a life's stream check fails."""
 
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
@@ -233,12 +233,16 @@ class Driver:
         self._open[job.request_id].append(life)
         return life
 
-    def abort(self, request_id: str) -> bool:
-        aborted = self.engine.abort_request(request_id)
-        if aborted:
-            life = self._open[request_id][-1]
+    def abort(self, request_id: str) -> GenerationOutput | None:
+        """Abort the id's open life; its final output (abort_request's answer) closes the life at once,
+        so any later step() output of that life would land on the next life and fail its stream check."""
+        final = self.engine.abort_request(request_id)
+        if final is not None:
+            life = self._open[request_id].popleft()
             life.abort_requested, life.aborted_at = True, self.steps
-        return aborted
+            assert final.finished and final.finish_reason == "abort", final
+            life.outputs.append(final)
+        return final
 
     def step(self) -> list[GenerationOutput]:
         outputs = self.engine.step()
