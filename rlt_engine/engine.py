@@ -197,13 +197,10 @@ class LLMEngine:
     def _apply(self, worker: int, result: StepResult | WorkerLost) -> list[Request]:
         if isinstance(result, WorkerLost):
             return self._on_worker_lost(worker, result)
+        self._free_slots[worker] = result.num_free_slots
         if result.error:
             log.error("worker %d failed step %d: %s", worker, result.step_id, result.error)
-            failed = list(self.scheduler.running[worker])
-            for request in failed:
-                self.scheduler.finish(request, "error")
-            return failed
-        self._free_slots[worker] = result.num_free_slots
+            return self.scheduler.step_failed(worker, result)
         changed = self.scheduler.update(worker, result)
         for request in changed:
             if (not request.is_finished and request.params.stop

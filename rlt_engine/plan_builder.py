@@ -11,6 +11,7 @@ step without the engine seeing any device value in between:
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 from protocol.columns import I32, I64, pack
 from protocol.messages import (
@@ -29,6 +30,17 @@ from protocol.messages import (
 )
 from rlt_engine.kv_manager import KVAllocation
 from rlt_engine.request import Request
+
+
+@dataclass(frozen=True)
+class SlotOps:
+    """A plan's slot ops as (key, generation) pairs, in the order the worker applies each kind."""
+
+    admits: list[tuple[int, int]]
+    imports: list[tuple[int, int]]
+    exports: list[tuple[int, int]]
+    releases: list[tuple[int, int]]
+    swap_drops: list[int]
 
 
 class PlanBuilder:
@@ -113,6 +125,14 @@ class PlanBuilder:
         self._row(
             CodaBatch, request, positions=position, seeds=request.seed, sample_indices=output_index,
             forced_tokens=forced_token,
+        )
+
+    @property
+    def slot_ops(self) -> SlotOps:
+        """What the plan asks of the slot table (kept by the scheduler until its result arrives)."""
+        return SlotOps(
+            admits=[(a.key, a.generation) for a in self._admits], imports=list(self._imports),
+            exports=list(self._exports), releases=list(self._releases), swap_drops=[k for k, _ in self._swap_drops],
         )
 
     # ---------------------------------------------------------------- packing

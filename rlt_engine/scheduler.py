@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from protocol.messages import SamplingParams, Signal, Stage, StepResult
+from protocol.messages import AppliedOps, SamplingParams, Signal, Stage, StepResult
 from rlt_engine.exit_policy import ExitPolicy
 from rlt_engine.kv_manager import KVManager
-from rlt_engine.plan_builder import PlanBuilder
+from rlt_engine.plan_builder import PlanBuilder, SlotOps
 from rlt_engine.request import Phase, Request, RequestStatus
 from rlt_engine.rng import RngRegistry
 from rlt_engine.swap_book import SwapBook
@@ -82,6 +82,7 @@ class Scheduler:
         # A worker whose running requests could not grow last step admits nothing new, so
         # that freed blocks go to the work already running (no admit/preempt ping-pong).
         self._short_of_blocks = [False] * len(kv_managers)
+        self._in_flight: list[SlotOps | None] = [None] * len(kv_managers)  # slot ops of the plan in flight
         self._next_key = 1
         self._next_generation = 1
         self._next_step = 1
@@ -115,13 +116,15 @@ class Scheduler:
         self.finish(request, "abort")
         return request
 
-    def finish(self, request: Request, reason: str) -> None:
-        """End a request's life: KV back after its last step, slot released in the next plan, seed dropped."""
+    def finish(self, request: Request, reason: str, slot_open: bool = True) -> None:
+        """End a request's life: KV back after its last step, slot released in the next plan, seed dropped.
+
+        `slot_open` False: the worker never opened the request's slot (a failed plan's admit)."""
         if request.status == RequestStatus.RUNNING:
             self.running[request.worker].remove(request)
             if request in self._to_admit[request.worker]:
                 self._to_admit[request.worker].remove(request)  # never reached the worker
-            else:
+            elif slot_open:
                 self._to_release[request.worker].append((request.key, request.generation))
             if request.allocation is not None:
                 self.kv[request.worker].free(request.allocation, after_step=request.last_step_id)
@@ -182,6 +185,7 @@ class Scheduler:
                 budget -= self._schedule_prefill(plan, request, budget, cohort_busy)
         if plan.is_empty:
             return None
+        self._in_flight[worker] = plan.slot_ops
         self._next_step += 1
         self.stats.num_steps += 1
         return plan
@@ -399,6 +403,7 @@ class Scheduler:
         self._to_admit[worker].clear()
         self._to_release[worker].clear()
         self._releases_in_flight[worker].clear()
+        self._in_flight[worker] = None
         failed: list[Request] = []
         for request in reversed(self.running[worker]):
             request.num_workers_lost += 1
@@ -417,6 +422,37 @@ class Scheduler:
             if request.key in lost_copies:  # its host copy died with the worker: replay instead
                 self._reset_for_replay(request)
                 self.stats.num_replays += 1
+        return failed
+
+    def step_failed(self, worker: int, result: StepResult) -> list[Request]:
+        """The worker's plan failed midway: reconcile the books with the slot ops it says it
+        applied, then end every request the plan reached on that worker with an error.
+
+        Slot ops that never ran are sent again (releases, drops) or undone in the books: a slot an
+        admit never opened is not released; a swap victim whose export never ran still holds its
+        slot (released now) and has no host copy, so it replays instead. Requests placed after the
+        plan was sent (still to admit) are untouched."""
+        sent, self._in_flight[worker] = self._in_flight[worker], None
+        assert sent is not None, f"worker {worker} failed a step the scheduler never sent"
+        applied = result.applied or AppliedOps()
+        self.kv[worker].retire(result.step_id)  # the worker has stopped using the plan's blocks
+        self._releases_in_flight[worker].pop(result.step_id, None)
+        never_opened = set(sent.admits[applied.admits:]) | set(sent.imports[applied.imports:])
+        releases = [s for s in self._to_release[worker] if s not in never_opened]  # aborted in flight
+        releases += sent.releases[applied.releases:]
+        drops = sent.swap_drops[applied.swap_drops:] + [key for key, _ in sent.imports]  # copies maybe restored
+        for key, generation in sent.exports[applied.exports:]:
+            releases.append((key, generation))  # still in its slot, with no host copy
+            request = self._by_key.get(key)
+            if request is not None and self.swap.swapped_on.get(key) == worker:
+                self.swap.cancel(key)
+                self._reset_for_replay(request)
+                self.stats.num_replays += 1
+        self._to_release[worker] = releases
+        self.swap.drop_later(worker, drops)
+        failed = [r for r in self.running[worker] if r not in self._to_admit[worker]]
+        for request in failed:
+            self.finish(request, "error", slot_open=(request.key, request.generation) not in never_opened)
         return failed
 
     def fail_all(self, reason: str) -> list[Request]:
@@ -447,6 +483,7 @@ class Scheduler:
         """Apply one StepResult of `worker`; returns the requests whose output changed."""
         self.kv[worker].retire(result.step_id)
         self._releases_in_flight[worker].pop(result.step_id, None)
+        self._in_flight[worker] = None
         changed: dict[int, Request] = {}
         rows = zip(
             result.col("keys").tolist(), result.col("generations").tolist(), result.col("stages").tolist(),

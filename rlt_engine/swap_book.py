@@ -63,6 +63,16 @@ class SwapBook:
         ledger.drops.append(request.key)
         return None
 
+    def cancel(self, key: int) -> None:
+        """The export of this key never ran (its plan failed): no host copy exists, forget the swap."""
+        del self.swapped_on[key]
+        del self.positions[key]
+        self._exported_at.pop(key, None)
+
+    def drop_later(self, worker: int, keys: list[int]) -> None:
+        """Send swap drops for these keys with the worker's next plan (a missing copy is no error)."""
+        self._ledgers[worker].drops.extend(keys)
+
     def emit(self, plan: PlanBuilder, worker: int, kv: KVManager) -> int:
         """Write the worker's queued swap ops into `plan`; returns the slots the exports free."""
         ledger = self._ledgers[worker]

@@ -102,7 +102,8 @@ class Worker:
             return self.runner.execute(plan)
         except Exception as exc:  # the engine decides what a failed plan means
             log.exception("plan %d failed", plan.step_id)
-            return StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}")
+            return StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}",
+                              applied=self.runner.applied, num_free_slots=self.runner.num_free_slots)
 
     def close(self) -> None:
         """Drop the runner and its device memory."""

@@ -3,6 +3,7 @@ and a failed step leaves the engine's books and the worker's slot table in step.
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from factories import make_llm, resources
 
@@ -58,3 +59,77 @@ def test_abort_of_a_waiting_request_returns_an_empty_final_output():
         final = engine.abort_request("w")
         assert final is not None and final.token_ids == [] and final.finish_reason == "abort"
         assert drain(engine) == []
+
+
+# --------------------------------------------------------------------------- a failed step
+
+
+class FailAt:
+    """A runner fault hook: raise at the first time the plan reaches `point`, once."""
+
+    def __init__(self, point: str) -> None:
+        self.point, self.fired = point, False
+
+    def __call__(self, point: str) -> None:
+        if point == self.point and not self.fired:
+            self.fired = True
+            raise RuntimeError(f"injected failure at {point}")
+
+
+def books_agree(engine) -> None:
+    """The engine's books name exactly the slots and host copies the worker's runner holds.
+
+    In-process, a plan runs as it is submitted: the books are read as they stand after the plan in
+    flight (if any) has applied its slot ops, which is what the runner has done."""
+    scheduler, runner = engine.scheduler, engine.executor._worker.runner
+    ledger = scheduler.swap._ledgers[0]
+    unsent = set(scheduler._to_admit[0]) | set(ledger.imports)
+    expected = {(r.key, r.generation) for r in scheduler.running[0] if r not in unsent}
+    expected |= set(scheduler._to_release[0])
+    expected |= {(r.key, g) for r, g, _ in ledger.exports}
+    assert set(runner._slot_of) == expected, (runner._slot_of, expected)
+    exported = {key for key, w in scheduler.swap.swapped_on.items() if w == 0 and key in scheduler.swap._exported_at}
+    assert exported <= set(runner._swap._copies), (exported, runner._swap._copies)
+
+
+@pytest.mark.parametrize("point", ["admit", "batch", "export", "release"])
+def test_a_failed_step_keeps_engine_and_worker_in_step(point):
+    """One plan carries a release (an aborted request), an admit (a new request), a swap export
+    (a preempted one) and batches; the runner fails it at `point`. The request it admitted ends
+    with an error; the release that did not run is sent again; the victim whose export did not run
+    replays instead of importing a copy that does not exist. Afterwards the books and the slot
+    table agree, the victim and a later request equal a fresh engine's outputs, nothing leaks."""
+    params = SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True, seed=4)
+    low = msgspec.structs.replace(params, priority=1)  # the victim waits behind "admitted"
+    options = dict(preemption="swap", max_num_seqs=4, scheduling_policy="priority")
+    with make_llm("toy-ouro", **options) as llm:
+        engine = llm.engine
+        runner = engine.executor._worker.runner
+        before = resources(engine)
+        engine.add_request("victim", [3, 1, 4], low)
+        engine.add_request("aborted", [1, 5], params)
+        victim = engine.scheduler._live["victim"]
+        while victim.num_outputs < 2:
+            engine.step()
+        # The next plan: release("aborted"), admit("admitted"), export("victim"), its prefill batch.
+        assert engine.abort_request("aborted")
+        engine.add_request("admitted", [9, 2, 6], params)
+        engine.scheduler.preempt(victim)
+        runner.fault_hook = hook = FailAt(point)
+        outputs = engine.step()  # collects the plan in flight, sends the one that fails
+        assert hook.fired and not any(o.finish_reason == "error" for o in outputs)
+        outputs = engine.step()  # collects the failure
+        failed = {o.request_id for o in outputs if o.finish_reason == "error"}
+        assert failed == {"admitted"}, outputs
+        books_agree(engine)
+        engine.add_request("later", [2, 7, 1, 8], params)
+        outputs += drain(engine)
+        books_agree(engine)
+        finals = {o.request_id: o for o in outputs if o.finished}
+        assert finals["victim"].finish_reason == finals["later"].finish_reason == "length", finals
+        assert resources(engine) == before
+        assert not runner._swap._copies
+    with make_llm("toy-ouro", **options) as fresh:
+        want = fresh.generate([[3, 1, 4], [2, 7, 1, 8]], params, use_tqdm=False)
+    for name, w in zip(["victim", "later"], want, strict=True):
+        assert (finals[name].token_ids, finals[name].exit_depths) == (w.token_ids, w.exit_depths), name

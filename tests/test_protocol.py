@@ -30,6 +30,7 @@ from protocol.columns import F64, I32, I64, U64
 from protocol.messages import (
     AbortRequest,
     Admit,
+    AppliedOps,
     BlockAppends,
     ClientInbound,
     ClientOutbound,
@@ -263,6 +264,7 @@ def step_results(draw: Any) -> StepResult:
         logprobs=pack(draw(col(ANY_FLOAT, n)), F64),
         num_free_slots=draw(st.integers(0, 4096)),
         error=draw(TEXT),
+        applied=draw(st.none() | st.builds(AppliedOps, *[st.integers(0, 4096)] * 5)),
     )
 
 
@@ -331,6 +333,8 @@ worker_healths = st.builds(
     kv_blocks_total=st.integers(0, 2**40),
     kv_blocks_used=st.integers(0, 2**40),
     running=st.integers(0, 4096),
+    free_slots=st.integers(0, 4096),
+    responsive=st.booleans(),
 )
 health_reports = st.builds(
     HealthReport,
