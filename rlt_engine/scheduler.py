@@ -14,6 +14,7 @@ key or generation is not the request's current one are dropped.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 
@@ -24,6 +25,8 @@ from rlt_engine.plan_builder import PlanBuilder, SlotOps
 from rlt_engine.request import Phase, Request, RequestStatus
 from rlt_engine.rng import RngRegistry
 from rlt_engine.swap_book import SwapBook
+
+log = logging.getLogger("rlt.scheduler")
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[list[Request]] = [[] for _ in kv_managers]
         self.alive = [True] * len(kv_managers)
+        self.responsive = [True] * len(kv_managers)  # heard from lately: new requests may go there
         self._live: dict[str, Request] = {}
         self._by_key: dict[int, Request] = {}
         self._to_admit: list[list[Request]] = [[] for _ in kv_managers]
@@ -241,9 +245,11 @@ class Scheduler:
         swapped_on = self.swap.swapped_on.get(request.key)
         if swapped_on is not None and not self.swap.can_resume(request, self.kv[swapped_on].completed_step):
             return None
+        responsive = [w for w in range(len(self.kv)) if self.alive[w] and self.responsive[w]]
         candidates = [
             w for w, kv in enumerate(self.kv)
             if self.alive[w]
+            and (self.responsive[w] or not responsive)  # a late worker only when every one is late
             and not self._short_of_blocks[w]
             and swapped_on in (None, w)
             and self._num_slots_held(w) < self.config.max_num_seqs
@@ -462,10 +468,29 @@ class Scheduler:
             self.finish(request, reason)
         return requests
 
+    def set_responsive(self, worker: int, responsive: bool) -> None:
+        """A late worker gets no new requests; those placed on it but never sent wait for another."""
+        if self.responsive[worker] == responsive:
+            return
+        self.responsive[worker] = responsive
+        if responsive:
+            log.warning("worker %d is heard from again", worker)
+            return
+        log.warning("worker %d is late (no word for half of worker_timeout): new requests go elsewhere", worker)
+        kv = self.kv[worker]
+        for request in reversed(self._to_admit[worker]):
+            self.running[worker].remove(request)
+            kv.free(request.allocation, after_step=kv.completed_step)  # never named in a plan
+            request.allocation = None
+            request.status = RequestStatus.WAITING
+            self._reset_for_replay(request)
+            self.waiting.appendleft(request)
+        self._to_admit[worker].clear()
+
     def worker_started(self, worker: int, kv_manager: KVManager) -> None:
         """A (replacement) worker is ready with an empty pool."""
         self.kv[worker] = kv_manager
-        self.alive[worker] = True
+        self.alive[worker] = self.responsive[worker] = True
 
     def _reset_for_replay(self, request: Request) -> None:
         """Start a new life of the request's slot: prompt again, delivered outputs replayed."""
