@@ -96,7 +96,7 @@ class WorkerReady(msgspec.Struct, tag=True, array_like=True, kw_only=True):
     device: str
     num_blocks: int  # physical KV blocks the pool holds
     num_planes: int  # planes per slot block table (loop depth planes + outer plane)
-    max_loops: int  # D, resolved from the model when the config said 0
+    max_depth: int  # D, resolved from the model (ModelInfo.default_loops) when the config's max_loops was 0
     model: ModelInfo
     pid: int
 

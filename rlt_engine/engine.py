@@ -40,8 +40,8 @@ class LLMEngine:
             raise
         ready = readies[0]
         self.model_info = ready.model
-        self.max_depth = ready.max_loops
-        self.kv_managers = [KVManager(r.num_blocks, config.block_size, r.num_planes) for r in readies]
+        self.max_depth = ready.max_depth  # D (the user's option is `max_loops`, SPEC §8)
+        kv_managers = [KVManager(r.num_blocks, config.block_size, r.num_planes) for r in readies]
         self.rng = RngRegistry()
         scheduler_config = SchedulerConfig(
             max_depth=self.max_depth,
@@ -55,10 +55,10 @@ class LLMEngine:
             on_demand_kv=config.kv_growth == "on_demand",
             priority=config.scheduling_policy == "priority",
             max_bypasses=config.max_bypasses,
-            swap=config.preemption == "swap",
+            preemption=config.preemption,
             loops_per_plan=config.loops_per_plan or self.max_depth,
         )
-        self.scheduler = Scheduler(scheduler_config, self.policy, self.kv_managers, self.rng)
+        self.scheduler = Scheduler(scheduler_config, self.policy, kv_managers, self.rng)
         self._busy: set[int] = set()
         self._restarting: set[int] = set()  # replacements starting (restart_workers), off the step loop
         self._failed_starts = [0] * len(readies)  # replacements in a row that died before serving
@@ -79,13 +79,19 @@ class LLMEngine:
         params = params or SamplingParams()
         prompt_token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(request_id, prompt_token_ids, params)
-        self.scheduler.add(request_id, prompt_token_ids, params)
+        request, seed = self.scheduler.add(request_id, prompt_token_ids, params)
+        self.outputs.track(request, seed)
 
     def abort_request(self, request_id: str) -> GenerationOutput | None:
         """Abort a live request; returns its life's final output (finish reason `abort`), or None if
         no such request is live. No later step() returns an output of that life."""
         request = self.scheduler.abort(request_id)
         return None if request is None else self.outputs.output(request)
+
+    @property
+    def kv_managers(self) -> list[KVManager]:
+        """Each worker's KV manager (a replacement worker's is new)."""
+        return [book.kv for book in self.scheduler.books]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -99,13 +105,12 @@ class LLMEngine:
         """Liveness and load: alive workers, waiting and running requests, KV usage per worker, counters."""
         scheduler = self.scheduler
         workers = [
-            WorkerHealth(index=w, alive=alive, kv_blocks_total=kv.num_blocks,
-                         kv_blocks_used=kv.num_used_blocks if alive else 0, running=len(scheduler.running[w]),
-                         free_slots=self._free_slots[w] if alive else 0,
-                         responsive=alive and scheduler.responsive[w])
-            for w, (kv, alive) in enumerate(zip(scheduler.kv, scheduler.alive, strict=True))
+            WorkerHealth(index=b.index, alive=b.alive, kv_blocks_total=b.kv.num_blocks,
+                         kv_blocks_used=b.kv.num_used_blocks if b.alive else 0, running=len(b.running),
+                         free_slots=self._free_slots[b.index] if b.alive else 0, responsive=b.alive and b.responsive)
+            for b in scheduler.books
         ]
-        running = sum(len(r) for r in scheduler.running)
+        running = sum(len(b.running) for b in scheduler.books)
         return HealthReport(workers=workers, waiting=len(scheduler.waiting), running=running,
                             num_preemptions=scheduler.stats.num_preemptions, num_replays=scheduler.stats.num_replays,
                             num_worker_restarts=self.num_worker_restarts)
@@ -135,7 +140,7 @@ class LLMEngine:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) − 1 = {positions} positions "
                 f"exceeds the model's limit of {info.max_model_len}"
             )
-        self.kv_managers[0].check_fits(positions)
+        self.scheduler.books[0].kv.check_fits(positions)
 
     def _validate_trace(self, params: SamplingParams) -> None:
         is_trace = isinstance(self.policy, TraceExit)
@@ -180,7 +185,7 @@ class LLMEngine:
             self.scheduler.set_responsive(worker, silent <= late_after)
 
     def _submit_idle_workers(self) -> None:
-        for worker in range(len(self.kv_managers)):
+        for worker in range(len(self.scheduler.books)):
             if worker in self._busy or not self.scheduler.has_work(worker):
                 continue
             builder = self.scheduler.schedule(worker)
@@ -220,7 +225,7 @@ class LLMEngine:
         if self.config.restart_workers and self._failed_starts[worker] < MAX_FAILED_STARTS:
             self.executor.begin_restart(worker)
             self._restarting.add(worker)
-        elif not any(self.scheduler.alive) and not self._restarting:
+        elif not any(b.alive for b in self.scheduler.books) and not self._restarting:
             log.error("no worker left: every in-flight request ends with an error")
             self.is_dead = True
             failed += self.scheduler.fail_all("error")

@@ -115,6 +115,7 @@ class _Tracked:
     history: _History
     decoded: int = 0  # outputs fed to the text stream
     sent: int = 0  # outputs delivered in a GenerationOutput
+    seed: int | None = None  # reported in every output (the RngRegistry drops it when the life ends)
     unsent_text: str = ""  # text released since the last GenerationOutput
     flushed: bool = False
 
@@ -129,13 +130,14 @@ class OutputProcessor:
     def __len__(self) -> int:
         return len(self._tracked)
 
+    def track(self, request: Request, seed: int) -> None:
+        """Start the text state of a new life (its seed is reported with each of its outputs)."""
+        history = _History(request.output_token_ids, request.exit_depths, request.logprobs)
+        text = TextStream(self.tokenizer.decode_stream(), request.params.stop)
+        self._tracked[request.key] = _Tracked(text, history, seed=seed)
+
     def _state(self, request: Request) -> _Tracked:
-        state = self._tracked.get(request.key)
-        if state is None:
-            history = _History(request.output_token_ids, request.exit_depths, request.logprobs)
-            state = _Tracked(TextStream(self.tokenizer.decode_stream(), request.params.stop), history)
-            self._tracked[request.key] = state
-        return state
+        return self._tracked[request.key]
 
     def decode(self, request: Request) -> bool:
         """Decode the request's outputs not decoded yet (flushing once it has finished); whether a
@@ -160,7 +162,7 @@ class OutputProcessor:
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids, first_index=start,
             new_token_ids=request.output_token_ids[start:end], new_exit_depths=request.exit_depths[start:end],
             new_logprobs=request.logprobs[start:end], new_text=state.unsent_text, finished=request.is_finished,
-            finish_reason=request.finish_reason, seed=request.seed, _history=history,
+            finish_reason=request.finish_reason, seed=state.seed, _history=history,
             _num_pieces=len(history.text_pieces),
         )
         state.sent, state.unsent_text = end, ""

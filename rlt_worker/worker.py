@@ -56,14 +56,14 @@ class Worker:
         dtype = DTYPES[config.dtype]
         model = load_model(config.model, dtype=dtype, device=device)
         info = model.info
-        max_loops = config.max_loops or info.default_loops
-        planes = num_planes(info, config.kv_layout, max_loops)
+        max_depth = config.max_loops or info.default_loops  # D
+        planes = num_planes(info, config.kv_layout, max_depth)
         num_blocks = config.num_blocks or self._auto_num_blocks(info, dtype, device)
         # One block beyond the engine's num_blocks: scratch for the padding rows of graph-captured passes.
         storage = KVStorage(info, num_blocks + 1, config.block_size, dtype, device)
         runner_config = RunnerConfig(
             kv_layout=config.kv_layout,
-            max_loops=max_loops,
+            max_loops=max_depth,
             num_planes=planes,
             max_slots=config.max_num_seqs,
             attention_backend=config.attention_backend,
@@ -80,7 +80,7 @@ class Worker:
             device=str(device),
             num_blocks=num_blocks,
             num_planes=planes,
-            max_loops=max_loops,
+            max_depth=max_depth,
             model=info,
             pid=os.getpid(),
         )

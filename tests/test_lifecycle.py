@@ -81,14 +81,13 @@ def books_agree(engine) -> None:
 
     In-process, a plan runs as it is submitted: the books are read as they stand after the plan in
     flight (if any) has applied its slot ops, which is what the runner has done."""
-    scheduler, runner = engine.scheduler, engine.executor._worker.runner
-    ledger = scheduler.swap._ledgers[0]
-    unsent = set(scheduler._to_admit[0]) | set(ledger.imports)
-    expected = {(r.key, r.generation) for r in scheduler.running[0] if r not in unsent}
-    expected |= set(scheduler._to_release[0])
-    expected |= {(r.key, g) for r, g, _ in ledger.exports}
+    book, runner = engine.scheduler.books[0], engine.executor._worker.runner
+    unsent = set(book.to_admit) | set(book.swap.imports)
+    expected = {(r.key, r.generation) for r in book.running if r not in unsent}
+    expected |= set(book.to_release)
+    expected |= {(r.key, g) for r, g, _ in book.swap.exports}
     assert set(runner._slot_of) == expected, (runner._slot_of, expected)
-    exported = {key for key, w in scheduler.swap.swapped_on.items() if w == 0 and key in scheduler.swap._exported_at}
+    exported = {key for key, copy in book.swap.copies.items() if copy.exported_at is not None}
     assert exported <= set(runner._swap._copies), (exported, runner._swap._copies)
 
 

@@ -242,7 +242,7 @@ worker_readies = st.builds(
     device=TEXT,
     num_blocks=st.integers(0, 2**40),
     num_planes=st.integers(1, 65),
-    max_loops=st.integers(1, 64),
+    max_depth=st.integers(1, 64),
     model=model_infos,
     pid=st.integers(1, 2**31),
 )
