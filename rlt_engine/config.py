@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,7 @@ class EngineConfig:
     """Every `LLM(...)` option; CLI flags are the same names with dashes."""
 
     model: str = _opt(DEFAULT_MODEL, "tiny-ouro-py (shipped, trained), toy-ouro, toy-huginn, "
-                      "synthetic-ouro-1.4b, or a Hugging Face checkpoint directory")
+                      "synthetic-ouro-1.4b, synthetic-ouro-2.6b, or a Hugging Face checkpoint directory")
     workers: int = _opt(1, "worker processes, one per device (0: run the model in the engine process)")
     device: str | None = _opt(None, "cuda or cpu (default: cuda when a GPU is visible)")
     dtype: str | None = _opt(None, "float32, bfloat16, float16 or float64 (default: bfloat16 on cuda, float32 on cpu)")
@@ -104,6 +105,7 @@ class EngineConfig:
     def resolved(self) -> EngineConfig:
         """The same config with the model's directory and the device, dtype and backend defaults filled in."""
         device = self.device or default_device()
+        _check_device(device)
         on_cuda = device.startswith("cuda")
         dtype = self.dtype or ("bfloat16" if on_cuda else "float32")
         if dtype == "float64" and on_cuda:
@@ -134,6 +136,17 @@ class EngineConfig:
             state_init=self.state_init,
             cuda_graphs=self.cuda_graphs,
         )
+
+
+def _check_device(device: str) -> None:
+    """cpu, cuda or cuda:N, and cuda only where a GPU is visible."""
+    if device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):
+        raise ValueError(f"device must be cpu, cuda or cuda:N; got {device!r}")
+    if device != "cpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: no GPU is visible to torch here; use --device cpu")
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -266,7 +266,7 @@ class Frontend:
             self._send(identity, EngineError(request_id=rid, code=code, message=text))
 
         if self.draining:
-            return refuse("shutting_down", "rlt-serve is shutting down and accepts no new requests")
+            return refuse("shutting_down", "the server is draining and accepts no new requests")
         if rid in peer.requests:
             return refuse("invalid_request", f"request id {rid!r} is already live; wait for it to finish or abort it")
         if (message.prompt is None) == (message.prompt_token_ids is None):

@@ -593,6 +593,30 @@ def test_cli_generate_connect(shared_server):
     assert result.stdout.startswith("token_ids: [")
 
 
+@pytest.mark.timeout(120)
+def test_ctrl_c_on_generate_exits_130_with_one_line_and_aborts(shared_server, client):
+    """SIGINT (Ctrl-C) while rlt-generate streams: exit status 130, one line on stderr and no
+    traceback; the request is aborted (the server is back at its baseline)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlt_engine.cli", "generate", "--connect", shared_server.address,
+         "--max-tokens", "400", "--top-k", "20", "--top-p", "0.9", "--stop", "never stop", "Hi"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+    )
+    try:
+        assert proc.stdout is not None
+        proc.stdout.read(1)  # it streams
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = err.decode().strip().splitlines()
+    assert proc.returncode == 130, err.decode()
+    assert len(lines) == 1 and "interrupted" in lines[0] and "Traceback" not in err.decode(), lines
+    wait_baseline(client, 10)
+
+
 
 @pytest.mark.timeout(120)
 def test_async_client(shared_server, client, offline):
