@@ -459,7 +459,8 @@ class WorkerHealth(msgspec.Struct, kw_only=True):
     kv_blocks_total: int
     kv_blocks_used: int
     running: int
-    free_slots: int = -1  # the worker's free slots as of its last result (−1: no result yet)
+    # The worker's free slots as of its last result (max_num_seqs before its first, 0 once dead).
+    free_slots: int = -1
     responsive: bool = True  # heard from within half of worker_timeout (new requests go elsewhere if not)
 
 

@@ -167,16 +167,21 @@ class LLMEngine:
         passes a short timeout so that it can answer clients in between.
         """
         self._check_responsive()
+        changed = self._collect(0.0) if self.executor.has_events else []  # e.g. a death seen meanwhile
         self._submit_idle_workers()
-        changed: list[Request] = []
-        if self._busy or self._restarting or self.executor.has_events:
-            for worker, event in self.executor.collect(timeout=timeout):
-                self._busy.discard(worker)
-                changed.extend(self._apply(worker, event))
+        if self._busy or self._restarting:
+            changed += self._collect(timeout)
         # Submit before publishing: the next plans (and any slot releases) are on their way.
         self._submit_idle_workers()
         unique = {request.key: request for request in changed}  # one output per request and step
         return [self.outputs.output(r) for r in unique.values()]
+
+    def _collect(self, timeout: float | None) -> list[Request]:
+        changed: list[Request] = []
+        for worker, event in self.executor.collect(timeout=timeout):
+            self._busy.discard(worker)
+            changed.extend(self._apply(worker, event))
+        return changed
 
     def _check_responsive(self) -> None:
         """A worker silent for half of worker_timeout gets no new requests until it is heard again."""

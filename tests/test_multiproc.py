@@ -477,3 +477,21 @@ def test_restart_replaces_a_killed_worker() -> None:
         assert killed and executor.alive_workers() == [0] and executor.worker_pids()[0] != first_pid
         assert _is_gone(first_pid)
         assert [(outputs[f"r{i}"].token_ids, outputs[f"r{i}"].exit_depths) for i in range(len(PROMPTS))] == expected
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_dies_while_idle_is_noticed_before_the_next_plan() -> None:
+    """SIGKILL worker 0 while the engine has nothing to do: the next step sees the death (its
+    silence check reads the pidfd) before placing anything on it, so new requests run on worker 1
+    and equal the reference; health reports the dead worker with 0 KV used and 0 free slots."""
+    expected = _reference(prompts=PROMPTS[:2])
+    with LLM("toy-ouro", workers=2, **MODEL_OPTIONS) as llm:
+        engine, executor = llm.engine, llm.engine.executor
+        victim = executor.worker_pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        assert _wait_gone([victim], 10) is not None
+        outs = llm.generate(PROMPTS[:2], _params(8)[:2], use_tqdm=False)
+        assert [(o.token_ids, o.exit_depths) for o in outs] == expected
+        (dead, alive) = engine.health().workers
+        assert not dead.alive and dead.kv_blocks_used == 0 and dead.free_slots == 0 and not dead.responsive
+        assert alive.alive and alive.free_slots > 0

@@ -42,7 +42,7 @@ class Executor(ABC):
 
     @property
     def has_events(self) -> bool:
-        """Whether collect() has something to return at once (a result or loss already read)."""
+        """Whether `silence()` has read events (results, losses) that collect() will return at once."""
         return False
 
     def silence(self) -> dict[int, float]:

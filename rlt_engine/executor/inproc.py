@@ -44,10 +44,6 @@ class InprocExecutor(Executor):
         self._worker = Worker(self._hello)
         self._done.append((0, self.start()[0]))
 
-    @property
-    def has_events(self) -> bool:
-        return bool(self._done)
-
     def submit(self, worker: int, plan: ExecutionPlan) -> None:
         assert self._worker is not None and worker == 0
         received = self._worker_codec.decode(self._engine_codec.encode(plan))
