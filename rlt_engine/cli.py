@@ -15,7 +15,7 @@ import sys
 import tempfile
 from typing import TYPE_CHECKING, Any
 
-from rlt_engine.config import EngineConfig
+from rlt_engine.config import EngineConfig, check_device_visible
 
 if TYPE_CHECKING:
     from rlt_engine.http_api.process import HttpProcess
@@ -87,6 +87,7 @@ def serve_main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         config = engine_config(args).resolved()
+        check_device_visible(config.device or "cpu")
     except ValueError as exc:
         parser.error(str(exc))
     from rlt_engine.engine import LLMEngine
@@ -189,6 +190,8 @@ def generate_main(argv: list[str] | None = None) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, stop=args.stop, seed=args.seed, exit_threshold=args.exit_threshold)
         config = None if args.connect else engine_config(args).resolved()  # a bad model or device fails here
+        if config is not None:
+            check_device_visible(config.device or "cpu")
     except ValueError as exc:
         parser.error(str(exc))
     try:

@@ -79,6 +79,8 @@ class EngineConfig:
             _choice("attention_backend", self.attention_backend, ("torch", "triton"))
         if self.dtype is not None:
             _choice("dtype", self.dtype, ("float64", "float32", "bfloat16", "float16"))
+        if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be cpu, cuda or cuda:N; got {self.device!r}")
         _positive("workers", self.workers, minimum=0)
         _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)
@@ -105,7 +107,6 @@ class EngineConfig:
     def resolved(self) -> EngineConfig:
         """The same config with the model's directory and the device, dtype and backend defaults filled in."""
         device = self.device or default_device()
-        _check_device(device)
         on_cuda = device.startswith("cuda")
         dtype = self.dtype or ("bfloat16" if on_cuda else "float32")
         if dtype == "float64" and on_cuda:
@@ -138,11 +139,10 @@ class EngineConfig:
         )
 
 
-def _check_device(device: str) -> None:
-    """cpu, cuda or cuda:N, and cuda only where a GPU is visible."""
-    if device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):
-        raise ValueError(f"device must be cpu, cuda or cuda:N; got {device!r}")
-    if device != "cpu":
+def check_device_visible(device: str) -> None:
+    """Raise ValueError if `device` is a GPU this process cannot see (the command lines check it
+    before starting workers; a remote worker's GPU is not this host's to judge)."""
+    if device.startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():

@@ -223,15 +223,24 @@ def test_frame_of_another_version_ends_the_handshake(isolated: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_worker_dying_during_startup_fails_promptly() -> None:
+def test_worker_dying_during_startup_fails_promptly(tmp_path: Path) -> None:
+    """A checkpoint directory the engine accepts (it has a config.json) but a worker cannot load."""
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "no-such-family"}')
     start = time.monotonic()
     with pytest.raises(WorkerStartupError) as err:
-        LLM("/nonexistent/model", workers=2, device="cpu", dtype="float64")
+        LLM(str(broken), workers=2, device="cpu", dtype="float64")
     elapsed = time.monotonic() - start
     log.info("startup failure reported after %.2f s", elapsed)
     message = str(err.value)
-    assert "exited with code 1 during startup" in message and "/nonexistent/model" in message, message
+    assert "exited with code 1 during startup" in message and "no-such-family" in message, message
     assert elapsed < 30
+
+
+def test_an_unknown_model_fails_before_any_worker_starts() -> None:
+    with pytest.raises(ValueError, match="neither a built-in model .*tiny-ouro-py.* nor a checkpoint directory"):
+        LLM("/nonexistent/model", workers=2, device="cpu", dtype="float64")
 
 
 # ---------------------------------------------------------------------------------- engine death

@@ -597,8 +597,12 @@ def test_cli_generate_connect(shared_server):
 def test_ctrl_c_on_generate_exits_130_with_one_line_and_aborts(shared_server, client):
     """SIGINT (Ctrl-C) while rlt-generate streams: exit status 130, one line on stderr and no
     traceback; the request is aborted (the server is back at its baseline)."""
+    # As from a terminal: SIGINT raises KeyboardInterrupt even when this test runs with it ignored
+    # (a background job), a disposition the child would otherwise inherit.
+    as_in_a_terminal = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                        "from rlt_engine.cli import main; sys.exit(main())")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlt_engine.cli", "generate", "--connect", shared_server.address,
+        [sys.executable, "-c", as_in_a_terminal, "generate", "--connect", shared_server.address,
          "--max-tokens", "400", "--top-k", "20", "--top-p", "0.9", "--stop", "never stop", "Hi"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
     )
