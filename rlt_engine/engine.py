@@ -62,7 +62,6 @@ class LLMEngine:
         self._busy: set[int] = set()
         self._restarting: set[int] = set()  # replacements starting (restart_workers), off the step loop
         self._failed_starts = [0] * len(readies)  # replacements in a row that died before serving
-        self._free_slots = [config.max_num_seqs] * len(readies)  # as reported by each worker's last result
         self._plan_listeners: list[PlanListener] = []
         self.num_worker_restarts = 0
         self._closed = False
@@ -107,7 +106,7 @@ class LLMEngine:
         workers = [
             WorkerHealth(index=b.index, alive=b.alive, kv_blocks_total=b.kv.num_blocks,
                          kv_blocks_used=b.kv.num_used_blocks if b.alive else 0, running=len(b.running),
-                         free_slots=self._free_slots[b.index] if b.alive else 0, responsive=b.alive and b.responsive)
+                         free_slots=b.num_free_slots, responsive=b.alive and b.responsive)
             for b in scheduler.books
         ]
         running = sum(len(b.running) for b in scheduler.books)
@@ -207,7 +206,6 @@ class LLMEngine:
             return self._on_worker_ready(worker, result)
         if isinstance(result, WorkerLost):
             return self._on_worker_lost(worker, result)
-        self._free_slots[worker] = result.num_free_slots
         if result.error:
             log.error("worker %d failed step %d: %s", worker, result.step_id, result.error)
             return self.scheduler.step_failed(worker, result)
@@ -241,7 +239,6 @@ class LLMEngine:
         log.info("worker %d replaced (pid %d)", worker, ready.pid)
         self._restarting.discard(worker)
         self._failed_starts[worker] = 0
-        self._free_slots[worker] = self.config.max_num_seqs
         self.num_worker_restarts += 1
         self.scheduler.worker_started(worker, KVManager(ready.num_blocks, self.config.block_size, ready.num_planes))
         return []

@@ -76,7 +76,7 @@ class Scheduler(SchedulerFaults):
         self.policy = policy
         self.rng = rng
         self.preemption = make_preemption(config.preemption)
-        self.books = [WorkerBook(w, kv) for w, kv in enumerate(kv_managers)]
+        self.books = [WorkerBook(w, kv, config.max_num_seqs) for w, kv in enumerate(kv_managers)]
         self.placement = Placement(self.books, self.preemption, priority=config.priority,
                                    max_bypasses=config.max_bypasses, max_num_seqs=config.max_num_seqs,
                                    on_demand_kv=config.on_demand_kv)
@@ -348,7 +348,7 @@ class Scheduler(SchedulerFaults):
 
     def update(self, worker: int, result: StepResult) -> list[Request]:
         """Apply one StepResult of `worker`; returns the requests whose output changed."""
-        self.books[worker].completed(result.step_id)
+        self.books[worker].completed(result.step_id, result.num_free_slots)
         changed: dict[int, Request] = {}
         rows = zip(
             result.col("keys").tolist(), result.col("generations").tolist(), result.col("stages").tolist(),

@@ -59,7 +59,7 @@ class SchedulerFaults:
         holds its slot (released now) and has no host copy, so it replays instead. Requests placed
         after the plan was sent (still to admit) are untouched."""
         book = self.books[worker]
-        sent = book.completed(result.step_id)  # the worker has stopped using the plan's blocks
+        sent = book.completed(result.step_id, result.num_free_slots)  # it has stopped using the plan's blocks
         assert sent is not None, f"worker {worker} failed a step the scheduler never sent"
         applied = result.applied or AppliedOps()
         never_opened = set(sent.admits[applied.admits:]) | set(sent.imports[applied.imports:])

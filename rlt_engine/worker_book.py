@@ -8,6 +8,7 @@ One `WorkerBook` per worker holds everything that used to be parallel per-worker
     releases_in_flight step id → slots its plan frees (admits apply before releases, so a
                        released slot is held until that plan completes)
     in_flight          the slot ops of the plan in flight (a failed plan is reconciled from them)
+    num_free_slots     the worker's free slots as of its last result (for health)
     kv                 the KV manager of this worker's pool
     swap               the swap ledger: exports/imports/drops to send, host copies held
 
@@ -49,9 +50,11 @@ class SwapLedger:
 class WorkerBook:
     """What the engine knows about one worker."""
 
-    def __init__(self, index: int, kv: KVManager) -> None:
+    def __init__(self, index: int, kv: KVManager, num_slots: int) -> None:
         self.index = index
         self.kv = kv
+        self.num_slots = num_slots  # the worker's slot table (max_num_seqs)
+        self.num_free_slots = num_slots  # as the worker reported with its last result
         self.alive = True
         self.responsive = True  # heard from within half of worker_timeout
         self.short_of_blocks = False  # its running requests could not grow last step: admit nothing
@@ -99,8 +102,9 @@ class WorkerBook:
         """`plan` is on its way to the worker."""
         self.in_flight = plan.slot_ops
 
-    def completed(self, step_id: int) -> SlotOps | None:
+    def completed(self, step_id: int, num_free_slots: int) -> SlotOps | None:
         """The worker has finished the plan of `step_id` (well or not); returns its slot ops."""
+        self.num_free_slots = num_free_slots
         self.kv.retire(step_id)
         self.releases_in_flight.pop(step_id, None)
         sent, self.in_flight = self.in_flight, None
@@ -108,7 +112,7 @@ class WorkerBook:
 
     def lost(self) -> list[int]:
         """The worker died: its queues and host copies with it; returns the keys of the copies lost."""
-        self.alive = False
+        self.alive, self.num_free_slots = False, 0
         lost = list(self.swap.copies)
         self.to_admit, self.to_release, self.releases_in_flight, self.in_flight = [], [], {}, None
         self.swap = SwapLedger()
@@ -117,3 +121,4 @@ class WorkerBook:
     def restarted(self, kv: KVManager) -> None:
         """A replacement is serving with an empty pool and slot table."""
         self.kv, self.alive, self.responsive, self.short_of_blocks = kv, True, True, False
+        self.num_free_slots = self.num_slots
