@@ -163,6 +163,7 @@ class Resources:
     free_kv_blocks: int
     free_slots: int
     registry_seeds: int
+    text_states: int  # lives the output processor still tracks
 
 
 def resources(engine: LLMEngine) -> Resources:
@@ -171,6 +172,7 @@ def resources(engine: LLMEngine) -> Resources:
         free_kv_blocks=sum(kv.num_free_blocks for kv in engine.kv_managers),
         free_slots=engine.executor._worker.runner.num_free_slots,
         registry_seeds=len(engine.rng),
+        text_states=len(engine.outputs),
     )
 
 
