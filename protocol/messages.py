@@ -327,7 +327,7 @@ class StepResult(Columnar, msgspec.Struct, tag=True, array_like=True, omit_defau
     tokens: bytes = b""  # i32 [rows], CODA: sampled token; −1 otherwise
     logprobs: bytes = b""  # f64 [rows], CODA: log p(token) under the raw logits; NaN otherwise
     num_free_slots: int = 0
-    error: str = ""  # non-empty: the plan failed; the engine ends the requests the worker held
+    error: str = ""  # non-empty: the plan failed; the engine ends the requests the plan reached with an error
     applied: AppliedOps | None = None  # with an error: the slot ops applied before the failure
 
     def __post_init__(self) -> None:
