@@ -16,7 +16,8 @@ from protocol.columns import F64, I32, I64, U64, Columnar
 
 # Bumped whenever a frame's layout changes, so mixed installs fail at the handshake, by name.
 # 2: CodaBatch.forced_tokens and SamplingParams.forced_tokens (teacher forcing).
-PROTOCOL_VERSION = 2
+# 3: StepResult.applied (the slot ops a failed plan applied), WorkerHealth.responsive.
+PROTOCOL_VERSION = 3
 
 
 class Stage(enum.IntEnum):
@@ -97,7 +98,7 @@ class WorkerReady(msgspec.Struct, tag=True, array_like=True, kw_only=True):
     device: str
     num_blocks: int  # physical KV blocks the pool holds
     num_planes: int  # planes per slot block table (loop depth planes + outer plane)
-    max_loops: int  # D, resolved from the model when the config said 0
+    max_depth: int  # D, resolved from the model (ModelInfo.default_loops) when the config's max_loops was 0
     model: ModelInfo
     pid: int
 
@@ -295,6 +296,19 @@ class ExecutionPlan(msgspec.Struct, tag=True, array_like=True, omit_defaults=Tru
     swap_drops: SlotKeys = msgspec.field(default_factory=SlotKeys)  # forget these keys' host copies
 
 
+class AppliedOps(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """How many of a failed plan's slot ops the runner applied before it stopped.
+
+    Each kind is applied in list order, so a count is a prefix of the plan's list of that kind.
+    """
+
+    admits: int = 0  # slots opened by admits[:admits]
+    imports: int = 0  # slots opened by imports[:imports] (their host copies may be half restored)
+    exports: int = 0  # exports[:exports] saved to host memory, their slots freed
+    releases: int = 0  # releases[:releases] freed
+    swap_drops: int = 0  # swap_drops[:swap_drops] forgotten
+
+
 class StepResult(Columnar, msgspec.Struct, tag=True, array_like=True, omit_defaults=True, kw_only=True):
     """Worker → engine: what each row of a plan produced, stamped with key and generation.
 
@@ -315,7 +329,8 @@ class StepResult(Columnar, msgspec.Struct, tag=True, array_like=True, omit_defau
     tokens: bytes = b""  # i32 [rows], CODA: sampled token; −1 otherwise
     logprobs: bytes = b""  # f64 [rows], CODA: log p(token) under the raw logits; NaN otherwise
     num_free_slots: int = 0
-    error: str = ""  # non-empty: the plan failed; the engine ends the requests the worker held
+    error: str = ""  # non-empty: the plan failed; the engine ends the requests the plan reached with an error
+    applied: AppliedOps | None = None  # with an error: the slot ops applied before the failure
 
     def __post_init__(self) -> None:
         self._check_columns()
@@ -446,7 +461,9 @@ class WorkerHealth(msgspec.Struct, kw_only=True):
     kv_blocks_total: int
     kv_blocks_used: int
     running: int
-    free_slots: int = -1  # the worker's free slots as of its last result (−1: no result yet)
+    # The worker's free slots as of its last result (max_num_seqs before its first, 0 once dead).
+    free_slots: int = -1
+    responsive: bool = True  # heard from within half of worker_timeout (new requests go elsewhere if not)
 
 
 class HealthReport(msgspec.Struct, tag=True, kw_only=True):

@@ -15,7 +15,7 @@ import sys
 import tempfile
 from typing import TYPE_CHECKING, Any
 
-from rlt_engine.config import EngineConfig
+from rlt_engine.config import EngineConfig, check_device_visible
 
 if TYPE_CHECKING:
     from rlt_engine.http_api.process import HttpProcess
@@ -23,19 +23,30 @@ if TYPE_CHECKING:
 log = logging.getLogger("rlt.serve")
 
 
-def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field (`max_num_seqs` → `--max-num-seqs`)."""
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default (on/off for switches), unless the text states it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS) or not action.option_strings:
+            return text  # None defaults are explained in the text ("default: cuda when a GPU is visible")
+        if isinstance(action.default, bool):
+            return f"{text} (default: {'on' if action.default else 'off'})"
+        return f"{text} (default: %(default)s)"
+
+
+def add_engine_options(parser: argparse.ArgumentParser, **defaults: object) -> None:
+    """One flag per EngineConfig field (`max_num_seqs` → `--max-num-seqs`); `defaults` override some."""
     for field in dataclasses.fields(EngineConfig):
         flag = "--" + field.name.replace("_", "-")
-        default, help_text = field.default, field.metadata.get("help", "")
+        default, help_text = defaults.get(field.name, field.default), field.metadata.get("help", "")
         if isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         else:
             kind = {int: int, float: float}.get(type(default), str)
             if field.name in ("max_loops", "num_blocks"):
                 kind = int
-            shown = "" if default is None else f" (default: {default})"  # None defaults explain themselves
-            parser.add_argument(flag, type=kind, default=default, help=help_text + shown)
+            parser.add_argument(flag, type=kind, default=default, help=help_text)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -47,9 +58,10 @@ class _Stopped(Exception):
     """A signal arrived before the engine was ready."""
 
 
-def serve_main(argv: list[str] | None = None) -> int:
-    """`rlt-serve`: run an engine and serve clients on ipc://PATH until SIGTERM or SIGINT."""
-    parser = argparse.ArgumentParser(prog="rlt-serve", description=serve_main.__doc__)
+def serve_parser() -> argparse.ArgumentParser:
+    """The command line of `rlt-serve`."""
+    parser = argparse.ArgumentParser(prog="rlt-serve", description=serve_main.__doc__,
+                                     formatter_class=DefaultsFormatter)
     add_engine_options(parser)
     parser.add_argument("--ipc", metavar="PATH", default=None,
                         help="unix socket path (default: rlt.sock in a new private temporary directory)")
@@ -57,16 +69,25 @@ def serve_main(argv: list[str] | None = None) -> int:
                         help="seconds a SIGTERM/SIGINT lets running requests finish before aborting them")
     parser.add_argument("--max-pending", type=int, default=1024,
                         help="live requests admitted at once; beyond it requests get an `overload` error")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="stderr log level")
     parser.add_argument("--http-port", type=int, default=None,
-                        help="also serve the OpenAI-compatible HTTP API and /metrics on this port (0: any free port)")
+                        help="also serve the OpenAI-compatible HTTP API and /metrics on this port "
+                             "(0: any free port; default: off)")
     parser.add_argument("--http-host", default="127.0.0.1",
                         help="the HTTP API's address (default loopback; 0.0.0.0 to serve other hosts)")
+    return parser
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """`rlt-serve`: run an engine and serve clients on ipc://PATH until SIGTERM or SIGINT."""
+    parser = serve_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr, force=True,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         config = engine_config(args).resolved()
+        check_device_visible(config.device or "cpu")
     except ValueError as exc:
         parser.error(str(exc))
     from rlt_engine.engine import LLMEngine
@@ -135,35 +156,59 @@ def _start_http(args: argparse.Namespace, address: str, model: str) -> HttpProce
     return http.start()
 
 
-def generate_main(argv: list[str] | None = None) -> int:
-    """`rlt-generate --connect ipc://PATH PROMPT` (or `--offline`): stream the generated text to stdout."""
-    parser = argparse.ArgumentParser(prog="rlt-generate", description=generate_main.__doc__)
+def generate_parser() -> argparse.ArgumentParser:
+    """The command line of `rlt-generate`."""
+    parser = argparse.ArgumentParser(prog="rlt-generate", description=generate_main.__doc__,
+                                     formatter_class=DefaultsFormatter)
     parser.add_argument("prompt")
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--connect", metavar="ADDRESS", help="an rlt-serve address (ipc://PATH)")
+    mode.add_argument("--connect", metavar="ADDRESS",
+                      help="an rlt-serve address (ipc://PATH); no default: give it or --offline")
     mode.add_argument("--offline", action="store_true", help="run the engine in this process")
     parser.add_argument("--token-ids", action="store_true", help="print token ids and exit depths, not text")
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: 64)")
-    parser.add_argument("--temperature", type=float, default=1.0,
-                        help="sampling temperature, 0 for greedy (default: 1.0, as SamplingParams)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, 0 for greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of "
+                        "tokens whose probability reaches this (1.0: off)")
+    parser.add_argument("--top-k", type=int, default=-1, help="sample among the k most likely tokens (-1: off)")
+    parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                        help="end the text where this string starts (repeatable; default: none)")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: drawn and printed)")
     parser.add_argument("--exit-threshold", type=float, default=None,
                         help="exit as soon as the policy's signal crosses this (Ouro: exit CDF; default: never early)")
-    add_engine_options(parser)
-    parser.set_defaults(workers=0)
+    add_engine_options(parser, workers=0)
+    return parser
+
+
+def generate_main(argv: list[str] | None = None) -> int:
+    """`rlt-generate --connect ipc://PATH PROMPT` (or `--offline`): stream the generated text to stdout."""
+    parser = generate_parser()
     args = parser.parse_args(argv)
     from protocol.messages import SamplingParams
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-                            exit_threshold=args.exit_threshold)
-    if args.connect:
-        return _generate_remote(args.connect, args.prompt, params, args.token_ids)
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, stop=args.stop, seed=args.seed, exit_threshold=args.exit_threshold)
+        config = None if args.connect else engine_config(args).resolved()  # a bad model or device fails here
+        if config is not None:
+            check_device_visible(config.device or "cpu")
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        if args.connect:
+            return _generate_remote(args.connect, args.prompt, params, args.token_ids)
+        return _generate_offline(config, args.prompt, params, args.token_ids)
+    except KeyboardInterrupt:  # the stream's `with` (or the LLM's) has aborted the request on the way out
+        print("\nrlt-generate: interrupted; the request was aborted", file=sys.stderr)
+        return 130
+
+
+def _generate_offline(config: EngineConfig, prompt: str, params: object, token_ids: bool) -> int:
     from rlt_engine.llm import LLM
 
-    config = engine_config(args)
     with LLM(**dataclasses.asdict(config)) as llm:
-        output = llm.generate([args.prompt], params, use_tqdm=False)[0]
-    if args.token_ids:
+        output = llm.generate([prompt], params, use_tqdm=False)[0]  # type: ignore[arg-type]
+    if token_ids:
         print("token_ids:", output.token_ids)
         print("exit_depths:", output.exit_depths)
     else:

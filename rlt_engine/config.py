@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,7 @@ class EngineConfig:
     """Every `LLM(...)` option; CLI flags are the same names with dashes."""
 
     model: str = _opt(DEFAULT_MODEL, "tiny-ouro-py (shipped, trained), toy-ouro, toy-huginn, "
-                      "synthetic-ouro-1.4b, or a Hugging Face checkpoint directory")
+                      "synthetic-ouro-1.4b, synthetic-ouro-2.6b, or a Hugging Face checkpoint directory")
     workers: int = _opt(1, "worker processes, one per device (0: run the model in the engine process)")
     device: str | None = _opt(None, "cuda or cpu (default: cuda when a GPU is visible)")
     dtype: str | None = _opt(None, "float32, bfloat16, float16 or float64 (default: bfloat16 on cuda, float32 on cpu)")
@@ -85,6 +86,8 @@ class EngineConfig:
             _choice("attention_backend", self.attention_backend, ("torch", "triton"))
         if self.dtype is not None:
             _choice("dtype", self.dtype, ("float64", "float32", "bfloat16", "float16"))
+        if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be cpu, cuda or cuda:N; got {self.device!r}")
         _positive("workers", self.workers, minimum=0)
         _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)
@@ -144,6 +147,16 @@ class EngineConfig:
             fused_layers=self.fused_layers,
             cuda_graph_capture=self.cuda_graph_capture,
         )
+
+
+def check_device_visible(device: str) -> None:
+    """Raise ValueError if `device` is a GPU this process cannot see (the command lines check it
+    before starting workers; a remote worker's GPU is not this host's to judge)."""
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: no GPU is visible to torch here; use --device cpu")
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from protocol.messages import ExecutionPlan, HealthReport, SamplingParams, StepResult, WorkerHealth
+from protocol.messages import ExecutionPlan, HealthReport, SamplingParams, StepResult, WorkerHealth, WorkerReady
 from rlt_engine.config import EngineConfig
 from rlt_engine.errors import EngineDeadError, InvalidRequestError
 from rlt_engine.executor import WorkerLost, make_executor
 from rlt_engine.exit_policy import TraceExit, make_exit_policy
 from rlt_engine.kv_manager import KVManager
+from rlt_engine.output_processor import GenerationOutput, OutputProcessor
 from rlt_engine.request import Request
 from rlt_engine.rng import RngRegistry
 from rlt_engine.scheduler import Scheduler, SchedulerConfig
@@ -20,21 +20,7 @@ from rlt_engine.tokenizer import load_tokenizer
 log = logging.getLogger("rlt.engine")
 
 PlanListener = Callable[[int, ExecutionPlan], None]
-
-
-@dataclass
-class GenerationOutput:
-    """A request's cumulative output after a step (SPEC §8)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    exit_depths: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None
-    seed: int | None = None
+MAX_FAILED_STARTS = 3  # replacements in a row that die before serving: then the worker index stays dead
 
 
 class LLMEngine:
@@ -43,6 +29,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config = config.resolved()
         self.tokenizer = load_tokenizer(config.model)
+        self.outputs = OutputProcessor(self.tokenizer)
         self.executor = make_executor(config)
         try:
             readies = self.executor.start()
@@ -53,8 +40,8 @@ class LLMEngine:
             raise
         ready = readies[0]
         self.model_info = ready.model
-        self.max_depth = ready.max_loops
-        self.kv_managers = [KVManager(r.num_blocks, config.block_size, r.num_planes) for r in readies]
+        self.max_depth = ready.max_depth  # D (the user's option is `max_loops`, SPEC §8)
+        kv_managers = [KVManager(r.num_blocks, config.block_size, r.num_planes) for r in readies]
         self.rng = RngRegistry()
         scheduler_config = SchedulerConfig(
             max_depth=self.max_depth,
@@ -68,14 +55,14 @@ class LLMEngine:
             on_demand_kv=config.kv_growth == "on_demand",
             priority=config.scheduling_policy == "priority",
             max_bypasses=config.max_bypasses,
-            swap=config.preemption == "swap",
+            preemption=config.preemption,
             loops_per_plan=config.loops_per_plan or self.max_depth,
         )
-        self.scheduler = Scheduler(scheduler_config, self.policy, self.kv_managers, self.rng)
+        self.scheduler = Scheduler(scheduler_config, self.policy, kv_managers, self.rng)
         self._busy: set[int] = set()
-        self._free_slots = [-1] * len(readies)  # as reported by each worker's last result
+        self._restarting: set[int] = set()  # replacements starting (restart_workers), off the step loop
+        self._failed_starts = [0] * len(readies)  # replacements in a row that died before serving
         self._plan_listeners: list[PlanListener] = []
-        self._aborted: list[Request] = []
         self.num_worker_restarts = 0
         self._closed = False
         self.is_dead = False  # no worker left: every request failed, nothing more can run
@@ -91,33 +78,38 @@ class LLMEngine:
         params = params or SamplingParams()
         prompt_token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(request_id, prompt_token_ids, params)
-        self.scheduler.add(request_id, prompt_token_ids, params)
+        request, seed = self.scheduler.add(request_id, prompt_token_ids, params)
+        self.outputs.track(request, seed)
 
-    def abort_request(self, request_id: str) -> bool:
-        """Abort a live request (finish reason `abort`); False if no such live request."""
+    def abort_request(self, request_id: str) -> GenerationOutput | None:
+        """Abort a live request; returns its life's final output (finish reason `abort`), or None if
+        no such request is live. No later step() returns an output of that life."""
         request = self.scheduler.abort(request_id)
-        if request is not None:
-            self._aborted.append(request)
-        return request is not None
+        return None if request is None else self.outputs.output(request)
+
+    @property
+    def kv_managers(self) -> list[KVManager]:
+        """Each worker's KV manager (a replacement worker's is new)."""
+        return [book.kv for book in self.scheduler.books]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
     @property
     def has_work_in_flight(self) -> bool:
-        """Whether a plan is running on some worker (its result is still to be collected)."""
-        return bool(self._busy)
+        """Whether a plan is running on some worker or a replacement worker is starting."""
+        return bool(self._busy or self._restarting)
 
     def health(self) -> HealthReport:
         """Liveness and load: alive workers, waiting and running requests, KV usage per worker, counters."""
         scheduler = self.scheduler
         workers = [
-            WorkerHealth(index=w, alive=scheduler.alive[w], kv_blocks_total=kv.num_blocks,
-                         kv_blocks_used=kv.num_used_blocks, running=len(scheduler.running[w]),
-                         free_slots=self._free_slots[w])
-            for w, kv in enumerate(scheduler.kv)
+            WorkerHealth(index=b.index, alive=b.alive, kv_blocks_total=b.kv.num_blocks,
+                         kv_blocks_used=b.kv.num_used_blocks if b.alive else 0, running=len(b.running),
+                         free_slots=b.num_free_slots, responsive=b.alive and b.responsive)
+            for b in scheduler.books
         ]
-        running = sum(len(r) for r in scheduler.running)
+        running = sum(len(b.running) for b in scheduler.books)
         return HealthReport(workers=workers, waiting=len(scheduler.waiting), running=running,
                             num_preemptions=scheduler.stats.num_preemptions, num_replays=scheduler.stats.num_replays,
                             num_worker_restarts=self.num_worker_restarts)
@@ -147,7 +139,7 @@ class LLMEngine:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) − 1 = {positions} positions "
                 f"exceeds the model's limit of {info.max_model_len}"
             )
-        self.kv_managers[0].check_fits(positions)
+        self.scheduler.books[0].kv.check_fits(positions)
 
     def _validate_trace(self, params: SamplingParams) -> None:
         is_trace = isinstance(self.policy, TraceExit)
@@ -173,20 +165,31 @@ class LLMEngine:
         `timeout` bounds the wait for a worker's result (None: wait for one); a serving loop
         passes a short timeout so that it can answer clients in between.
         """
+        self._check_responsive()
+        changed = self._collect(0.0) if self.executor.has_events else []  # e.g. a death seen meanwhile
         self._submit_idle_workers()
-        changed: list[Request] = []
-        if self._busy:
-            for worker, result in self.executor.collect(timeout=timeout):
-                self._busy.discard(worker)
-                changed.extend(self._apply(worker, result))
+        if self._busy or self._restarting:
+            changed += self._collect(timeout)
         # Submit before publishing: the next plans (and any slot releases) are on their way.
         self._submit_idle_workers()
-        changed.extend(self._aborted)
-        self._aborted.clear()
-        return [self._output(r) for r in changed]
+        unique = {request.key: request for request in changed}  # one output per request and step
+        return [self.outputs.output(r) for r in unique.values()]
+
+    def _collect(self, timeout: float | None) -> list[Request]:
+        changed: list[Request] = []
+        for worker, event in self.executor.collect(timeout=timeout):
+            self._busy.discard(worker)
+            changed.extend(self._apply(worker, event))
+        return changed
+
+    def _check_responsive(self) -> None:
+        """A worker silent for half of worker_timeout gets no new requests until it is heard again."""
+        late_after = self.config.worker_timeout / 2
+        for worker, silent in self.executor.silence().items():
+            self.scheduler.set_responsive(worker, silent <= late_after)
 
     def _submit_idle_workers(self) -> None:
-        for worker in range(len(self.kv_managers)):
+        for worker in range(len(self.scheduler.books)):
             if worker in self._busy or not self.scheduler.has_work(worker):
                 continue
             builder = self.scheduler.schedule(worker)
@@ -198,51 +201,47 @@ class LLMEngine:
             self.executor.submit(worker, plan)
             self._busy.add(worker)
 
-    def _apply(self, worker: int, result: StepResult | WorkerLost) -> list[Request]:
+    def _apply(self, worker: int, result: StepResult | WorkerLost | WorkerReady) -> list[Request]:
+        if isinstance(result, WorkerReady):
+            return self._on_worker_ready(worker, result)
         if isinstance(result, WorkerLost):
             return self._on_worker_lost(worker, result)
         if result.error:
             log.error("worker %d failed step %d: %s", worker, result.step_id, result.error)
-            failed = list(self.scheduler.running[worker])
-            for request in failed:
-                self.scheduler.finish(request, "error")
-            return failed
-        self._free_slots[worker] = result.num_free_slots
+            return self.scheduler.step_failed(worker, result)
         changed = self.scheduler.update(worker, result)
         for request in changed:
-            if (not request.is_finished and request.params.stop
-                    and _stop_index(self.tokenizer.decode(request.output_token_ids), request.params.stop) is not None):
-                self.scheduler.finish(request, "stop")
+            if self.outputs.decode(request) and not request.is_finished:
+                self.scheduler.finish(request, "stop")  # a stop string matched in its new text
         return changed
 
     def _on_worker_lost(self, worker: int, lost: WorkerLost) -> list[Request]:
-        """Replay the dead worker's requests on the others (or on its replacement)."""
-        log.error("worker %d lost (%s); replaying its requests", worker, lost.reason)
+        """Replay the dead worker's requests on the others; with restart_workers, begin a
+        replacement, which starts while the step loop keeps serving the other workers."""
+        if worker in self._restarting:
+            self._restarting.discard(worker)
+            self._failed_starts[worker] += 1
+            log.error("the replacement of worker %d failed to start (%s)", worker, lost.reason)
+        else:
+            log.error("worker %d lost (%s); replaying its requests", worker, lost.reason)
         failed = self.scheduler.worker_lost(worker)
-        if self.config.restart_workers:
-            ready = self.executor.restart(worker)
-            self.num_worker_restarts += 1
-            self.scheduler.worker_started(worker, KVManager(ready.num_blocks, self.config.block_size, ready.num_planes))
-        elif not any(self.scheduler.alive):
+        if self.config.restart_workers and self._failed_starts[worker] < MAX_FAILED_STARTS:
+            self.executor.begin_restart(worker)
+            self._restarting.add(worker)
+        elif not any(b.alive for b in self.scheduler.books) and not self._restarting:
             log.error("no worker left: every in-flight request ends with an error")
             self.is_dead = True
             failed += self.scheduler.fail_all("error")
         return failed
 
-    def _output(self, request: Request) -> GenerationOutput:
-        text = self.tokenizer.decode(request.output_token_ids)
-        cut = _stop_index(text, request.params.stop)
-        return GenerationOutput(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids),
-            text=text if cut is None else text[:cut],
-            exit_depths=list(request.exit_depths),
-            logprobs=list(request.logprobs),
-            finished=request.is_finished,
-            finish_reason=request.finish_reason,
-            seed=request.seed,
-        )
+    def _on_worker_ready(self, worker: int, ready: WorkerReady) -> list[Request]:
+        """A replacement is serving: the scheduler gets its (empty) KV pool back."""
+        log.info("worker %d replaced (pid %d)", worker, ready.pid)
+        self._restarting.discard(worker)
+        self._failed_starts[worker] = 0
+        self.num_worker_restarts += 1
+        self.scheduler.worker_started(worker, KVManager(ready.num_blocks, self.config.block_size, ready.num_planes))
+        return []
 
     def close(self) -> None:
         """Stop the workers; idempotent."""
@@ -250,8 +249,3 @@ class LLMEngine:
             self._closed = True
             self.executor.shutdown()
 
-
-def _stop_index(text: str, stops: list[str]) -> int | None:
-    """Where the earliest stop string starts in `text`, or None."""
-    hits = [text.find(s) for s in stops if s and s in text]
-    return min(hits) if hits else None

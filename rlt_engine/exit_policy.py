@@ -19,18 +19,24 @@ from rlt_engine.request import LoopLimits, Request
 
 
 class ExitPolicy:
-    """Base: a policy with no signal whose exit depth is known when a position starts."""
+    """Base: a policy with no signal whose exit depth is known when a position starts.
+
+    A policy reads a request and returns decisions; it never changes the request. Its per-position
+    state (Ouro: the product of 1 − λ so far) comes back from `observe`, and the scheduler stores it
+    in `Request.exit_state`, starting each position at `initial_state`.
+    """
 
     signal = Signal.NONE
     never_early_threshold = 0.0
+    initial_state = 1.0
 
     def planned_exit(self, request: Request, output_index: int) -> int | None:
         """Exit depth of the position that produces output `output_index`, if known in advance."""
         return request.limits.max_loops
 
-    def observe(self, request: Request, depth: int, signal: float) -> int | None:
-        """After loop `depth` returned `signal`: the decided exit depth, or None to go on."""
-        return None
+    def observe(self, request: Request, depth: int, signal: float) -> tuple[int | None, float]:
+        """After loop `depth` returned `signal`: the decided exit depth (None: go on) and the new state."""
+        return None, request.exit_state
 
     def limits(self, params: SamplingParams, max_depth: int) -> LoopLimits:
         """Resolve a request's loop limits against the engine's D."""
@@ -65,18 +71,17 @@ class OuroExit(ExitPolicy):
     def planned_exit(self, request: Request, output_index: int) -> int | None:
         return None
 
-    def observe(self, request: Request, depth: int, signal: float) -> int | None:
-        request.hazard_remaining *= 1.0 - signal
+    def observe(self, request: Request, depth: int, signal: float) -> tuple[int | None, float]:
+        remaining = request.exit_state * (1.0 - signal)  # ∏ (1 − λ) over the position's loops
         limits = request.limits
         if depth >= limits.max_loops:
-            return depth
-        if self._passes(request, depth):
-            return self._exit_after_pass(depth, limits.max_loops)
-        return None
+            return depth, remaining
+        if self._passes(limits, depth, 1.0 - remaining):
+            return self._exit_after_pass(depth, limits.max_loops), remaining
+        return None, remaining
 
-    def _passes(self, request: Request, depth: int) -> bool:
-        limits = request.limits
-        cumulative = 1.0 - request.hazard_remaining
+    @staticmethod
+    def _passes(limits: LoopLimits, depth: int, cumulative: float) -> bool:
         return limits.threshold < 1.0 and depth >= limits.min_loops and cumulative >= limits.threshold
 
     def _exit_after_pass(self, depth: int, max_loops: int) -> int:
@@ -96,11 +101,11 @@ class SignalBelowThreshold(ExitPolicy):
     def planned_exit(self, request: Request, output_index: int) -> int | None:
         return None
 
-    def observe(self, request: Request, depth: int, signal: float) -> int | None:
+    def observe(self, request: Request, depth: int, signal: float) -> tuple[int | None, float]:
         limits = request.limits
         if depth >= limits.max_loops or (depth >= limits.min_loops and signal < limits.threshold):
-            return depth
-        return None
+            return depth, request.exit_state
+        return None, request.exit_state
 
 
 class KLExit(SignalBelowThreshold):

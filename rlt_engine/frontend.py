@@ -38,8 +38,9 @@ from protocol.messages import (
     KeepaliveAck,
     RequestOutput,
 )
-from rlt_engine.engine import GenerationOutput, LLMEngine
+from rlt_engine.engine import LLMEngine
 from rlt_engine.errors import CapacityError, EngineDeadError, InvalidRequestError
+from rlt_engine.output_processor import GenerationOutput
 
 log = logging.getLogger("rlt.frontend")
 
@@ -57,30 +58,6 @@ class AddressInUseError(RuntimeError):
     """Another rlt-serve is listening on the requested ipc path."""
 
 
-class IncrementalText:
-    """Turns a request's cumulative text into deltas, holding back what may still change.
-
-    An incomplete UTF-8 sequence at the end decodes to U+FFFD but becomes a character once its
-    remaining bytes arrive (the byte tokenizer splits characters); the last len(stop) − 1
-    characters may turn out to start a stop string, which the engine cuts from the text.
-    """
-
-    def __init__(self, stop: list[str] | None = None) -> None:
-        self._sent = 0
-        self._hold = max((len(s) for s in stop or []), default=1) - 1
-
-    def delta(self, text: str, finished: bool) -> str:
-        """The text not sent yet that can no longer change (all of it once finished)."""
-        end = len(text)
-        if not finished:
-            while end > self._sent and text[end - 1] == "\ufffd":
-                end -= 1
-            end = max(self._sent, end - self._hold)
-        out = text[self._sent : end]
-        self._sent = max(self._sent, end)
-        return out
-
-
 @dataclass
 class _Live:
     """One admitted request incarnation as the frontend tracks it."""
@@ -89,7 +66,6 @@ class _Live:
     request_id: str
     engine_id: str
     want_logprobs: bool
-    text: IncrementalText
     sent: int = 0  # output tokens delivered so far
 
 
@@ -290,7 +266,7 @@ class Frontend:
             self._send(identity, EngineError(request_id=rid, code=code, message=text))
 
         if self.draining:
-            return refuse("shutting_down", "rlt-serve is shutting down and accepts no new requests")
+            return refuse("shutting_down", "the server is draining and accepts no new requests")
         if rid in peer.requests:
             return refuse("invalid_request", f"request id {rid!r} is already live; wait for it to finish or abort it")
         if (message.prompt is None) == (message.prompt_token_ids is None):
@@ -311,8 +287,7 @@ class Frontend:
             log.exception("add_request(%r) failed", engine_id)
             return refuse("internal", f"{type(exc).__name__}: {exc}")
         peer.requests[rid] = engine_id
-        self._live[engine_id] = _Live(identity, rid, engine_id, message.params.logprobs > 0,
-                                      IncrementalText(message.params.stop))
+        self._live[engine_id] = _Live(identity, rid, engine_id, message.params.logprobs > 0)
 
     def _expire_silent(self, now: float) -> None:
         for identity, peer in list(self._peers.items()):
@@ -328,13 +303,17 @@ class Frontend:
     # ------------------------------------------------------------------ outbound
 
     def _abort(self, live: _Live, notify: bool) -> None:
-        """End an incarnation now: abort it in the engine and send its final message at once."""
-        self.engine.abort_request(live.engine_id)
+        """End an incarnation now: abort it in the engine and send its final message at once.
+
+        The engine hands back the life's final output and never reports that life again."""
+        final = self.engine.abort_request(live.engine_id)
         self._need_step = True  # the release plan goes out with the next step
         self._forget(live)
         if notify:
-            self._send(live.client, RequestOutput(request_id=live.request_id, first_index=live.sent,
-                                                  finished=True, finish_reason="abort"))
+            if final is None:  # not live in the engine (it failed with the engine): a bare final message
+                final = GenerationOutput(request_id=live.engine_id, prompt_token_ids=[], first_index=live.sent,
+                                         finished=True, finish_reason="abort")
+            self._send(live.client, self._delta(live, final))
 
     def _forget(self, live: _Live) -> None:
         self._live.pop(live.engine_id, None)
@@ -347,22 +326,21 @@ class Frontend:
             live = self._live.get(output.request_id)
             if live is None:
                 continue  # aborted here already (its final message is out) or its client is gone
-            new = output.token_ids[live.sent :]
-            text = live.text.delta(output.text, output.finished)
-            if not new and not text and not output.finished:
+            if not output.new_token_ids and not output.new_text and not output.finished:
                 continue
-            delta = RequestOutput(
-                request_id=live.request_id, first_index=live.sent, token_ids=new,
-                exit_depths=output.exit_depths[live.sent :],
-                logprobs=output.logprobs[live.sent :] if live.want_logprobs else [],
-                text=text, finished=output.finished, finish_reason=output.finish_reason, seed=output.seed,
-                error="the engine failed this request (see the rlt-serve log)"
-                if output.finish_reason == "error" else None,
-            )
-            live.sent = len(output.token_ids)
             if output.finished:
                 self._forget(live)
-            self._send(live.client, delta)
+            self._send(live.client, self._delta(live, output))
+
+    def _delta(self, live: _Live, output: GenerationOutput) -> RequestOutput:
+        """The wire message of one engine delta (built once, by the engine's output processor)."""
+        live.sent = output.num_tokens
+        return RequestOutput(
+            request_id=live.request_id, first_index=output.first_index, token_ids=output.new_token_ids,
+            exit_depths=output.new_exit_depths, logprobs=output.new_logprobs if live.want_logprobs else [],
+            text=output.new_text, finished=output.finished, finish_reason=output.finish_reason, seed=output.seed,
+            error="the engine failed this request (see the rlt-serve log)" if output.finish_reason == "error" else None,
+        )
 
     def _fail_all(self, code: str, message: str) -> None:
         for live in list(self._live.values()):

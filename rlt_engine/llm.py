@@ -11,7 +11,8 @@ from tqdm import tqdm
 from protocol.messages import SamplingParams
 from rlt_engine.checkpoints import DEFAULT_MODEL
 from rlt_engine.config import EngineConfig
-from rlt_engine.engine import GenerationOutput, LLMEngine
+from rlt_engine.engine import LLMEngine
+from rlt_engine.output_processor import GenerationOutput
 
 Prompt = str | list[int]
 

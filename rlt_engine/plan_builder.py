@@ -11,6 +11,8 @@ step without the engine seeing any device value in between:
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from protocol.columns import I32, I64, pack
 from protocol.messages import (
@@ -31,12 +33,28 @@ from rlt_engine.kv_manager import KVAllocation
 from rlt_engine.request import Request
 
 
-class PlanBuilder:
-    """Rows of one plan, appended by the scheduler in any order, packed in stage order."""
+@dataclass(frozen=True)
+class SlotOps:
+    """A plan's slot ops as (key, generation) pairs, in the order the worker applies each kind."""
 
-    def __init__(self, step_id: int, signal: Signal) -> None:
+    admits: list[tuple[int, int]]
+    imports: list[tuple[int, int]]
+    exports: list[tuple[int, int]]
+    releases: list[tuple[int, int]]
+    swap_drops: list[int]
+
+
+class PlanBuilder:
+    """Rows of one plan, appended by the scheduler in any order, packed in stage order.
+
+    It only emits: it reads requests (key, generation, params) and never changes one; the
+    scheduler marks the requests it named (`named`) as used by this step."""
+
+    def __init__(self, step_id: int, signal: Signal, seed_of: Callable[[int], int]) -> None:
         self.step_id = step_id
         self._signal = signal
+        self._seed_of = seed_of  # request key → its seed (the RngRegistry's)
+        self.named: set[int] = set()  # keys of the requests this plan names (rows or slot ops)
         self._admits: list[Admit] = []
         self._appends: list[tuple[int, int, list[list[int]]]] = []
         self._releases: list[tuple[int, int]] = []
@@ -53,7 +71,7 @@ class PlanBuilder:
         )
 
     def _row(self, kind: type, request: Request, **fields: object) -> None:
-        request.last_step_id = self.step_id
+        self.named.add(request.key)
         rows = self._rows[kind]
         rows["keys"].append(request.key)
         rows["generations"].append(request.generation)
@@ -67,12 +85,11 @@ class PlanBuilder:
         sampling = SamplingOptions(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
         self._admits.append(Admit(request.key, request.generation, sampling))
         self.append_blocks(request, allocation.planes)
-        request.last_step_id = self.step_id
 
     def append_blocks(self, request: Request, planes: list[list[int]]) -> None:
         # A copy: the allocation's lists may grow again later in this step.
         self._appends.append((request.key, request.generation, [list(plane) for plane in planes]))
-        request.last_step_id = self.step_id  # its blocks are in use from this step on
+        self.named.add(request.key)  # its blocks are in use from this step on
 
     def release(self, key: int, generation: int) -> None:
         self._releases.append((key, generation))
@@ -85,7 +102,6 @@ class PlanBuilder:
         """Swap in: a new slot (the request's new generation) from its host copy, into new blocks."""
         self._imports.append((request.key, request.generation))
         self.append_blocks(request, allocation.planes)
-        request.last_step_id = self.step_id
 
     def drop_swapped(self, key: int) -> None:
         self._swap_drops.append((key, 0))
@@ -95,10 +111,11 @@ class PlanBuilder:
     def prefill(self, request: Request, start: int, token_ids: list[int]) -> None:
         rows = self._rows[PrefillBatch]
         rows["token_ids"].extend(token_ids)
-        self._row(PrefillBatch, request, start_positions=start, query_lens=len(token_ids), seeds=request.seed)
+        seed = self._seed_of(request.key)
+        self._row(PrefillBatch, request, start_positions=start, query_lens=len(token_ids), seeds=seed)
 
     def prelude(self, request: Request, position: int, token_id: int = -1) -> None:
-        self._row(PreludeBatch, request, positions=position, token_ids=token_id, seeds=request.seed)
+        self._row(PreludeBatch, request, positions=position, token_ids=token_id, seeds=self._seed_of(request.key))
 
     def recurrent(self, request: Request, position: int, first_depth: int, num_loops: int = 1) -> None:
         self._row(RecurrentBatch, request, positions=position, first_depths=first_depth, num_loops=num_loops)
@@ -111,8 +128,16 @@ class PlanBuilder:
         forced = request.params.forced_tokens
         forced_token = forced[output_index] if forced is not None and output_index >= 0 else -1
         self._row(
-            CodaBatch, request, positions=position, seeds=request.seed, sample_indices=output_index,
+            CodaBatch, request, positions=position, seeds=self._seed_of(request.key), sample_indices=output_index,
             forced_tokens=forced_token,
+        )
+
+    @property
+    def slot_ops(self) -> SlotOps:
+        """What the plan asks of the slot table (kept by the scheduler until its result arrives)."""
+        return SlotOps(
+            admits=[(a.key, a.generation) for a in self._admits], imports=list(self._imports),
+            exports=list(self._exports), releases=list(self._releases), swap_drops=[k for k, _ in self._swap_drops],
         )
 
     # ---------------------------------------------------------------- packing

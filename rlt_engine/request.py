@@ -1,4 +1,5 @@
-"""A request's life inside the engine (SPEC §3). Only the scheduler writes these fields.
+"""A request's life inside the engine (SPEC §3). Only the scheduler writes these fields (its seed
+is the RngRegistry's, its text the OutputProcessor's).
 
 Positions of a request with a prompt of P tokens that has delivered k outputs:
 
@@ -54,7 +55,6 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     limits: LoopLimits
-    seed: int
     arrival: int  # admission order among all requests (FCFS)
     status: RequestStatus = RequestStatus.WAITING
     phase: Phase = Phase.PREFILL
@@ -66,7 +66,7 @@ class Request:
     depth: int = 0  # loops scheduled at the current position
     exit_depth: int | None = None  # known or decided exit depth of the current position
     coda_exit_depth: int = 0  # exit depth of the position whose CODA is in flight
-    hazard_remaining: float = 1.0  # Ouro: ∏ (1 − λ) over the current position's loops
+    exit_state: float = 1.0  # the exit policy's state at the current position (Ouro: ∏ (1 − λ))
     last_step_id: int = -1  # the last step whose plan named this request
     num_workers_lost: int = 0  # workers that died while holding this request
     num_bypasses: int = 0  # later arrivals admitted before it (priority scheduling)

@@ -1,36 +1,45 @@
 """The scheduler: the only writer of request state (SPEC §3, §6).
 
-Each call of `schedule(worker)` builds that worker's next plan at loop boundaries:
+Each call of `schedule(worker)` first places waiting requests, then builds that worker's plan at
+loop boundaries:
 
-    1. running decode rows first (never starved by arrivals): the next loop of every looping
+    0. placement of waiting requests (FCFS, or by priority) on the worker with the most free KV
+    1. the slot ops owed to the worker (releases, swap exports / imports / drops, admits)
+    2. running decode rows (never starved by arrivals): the next loop of every looping
        position, and [finalize →] CODA → PRELUDE → loop 1 for every position that exited
        (refill: at once; no_refill: only when the worker's whole cohort has exited)
-    2. prompt chunks of admitted requests, within max_num_batched_tokens
-    3. admission of waiting requests (FCFS) while slots and KV allow
+    3. prompt chunks of admitted requests, within max_num_batched_tokens
 
 `update(worker, result)` applies a StepResult: tokens, signals, exits, finishes. Rows whose
-key or generation is not the request's current one are dropped.
+key or generation is not the request's current one are dropped. Per-worker state lives in one
+WorkerBook per worker; the preemption mode is a strategy; faults are in scheduler_faults.py.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 
 from protocol.messages import SamplingParams, Signal, Stage, StepResult
 from rlt_engine.exit_policy import ExitPolicy
 from rlt_engine.kv_manager import KVManager
+from rlt_engine.placement import Placement
 from rlt_engine.plan_builder import PlanBuilder
+from rlt_engine.preemption import make_preemption
 from rlt_engine.request import Phase, Request, RequestStatus
 from rlt_engine.rng import RngRegistry
-from rlt_engine.swap_book import SwapBook
+from rlt_engine.scheduler_faults import SchedulerFaults
+from rlt_engine.worker_book import WorkerBook
+
+log = logging.getLogger("rlt.scheduler")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """The scheduling knobs of EngineConfig, plus the model facts the scheduler needs."""
 
-    max_depth: int  # D
+    max_depth: int  # D: loops of every prompt position, the most any position runs
     kv_layout: str
     refill: bool
     max_num_seqs: int
@@ -41,7 +50,7 @@ class SchedulerConfig:
     on_demand_kv: bool = False  # admit with prompt + one block, grow as positions advance
     priority: bool = False  # scheduling_policy="priority": lower priority number first
     max_bypasses: int = 8
-    swap: bool = False  # preemption="swap": victims' slots go to host memory instead of being recomputed
+    preemption: str = "recompute"  # or "swap": victims' slots go to host memory
     # Most loops one plan runs for a row whose exit depth is known before it starts (no signal:
     # fixed, trace). 1 = one loop per plan; the row leaves the runner's pass when its count ends.
     loops_per_plan: int = 1
@@ -57,7 +66,7 @@ class SchedulerStats:
     num_preemptions: int = 0
 
 
-class Scheduler:
+class Scheduler(SchedulerFaults):
     """Owns every Request; plans steps per worker and applies their results."""
 
     def __init__(
@@ -65,23 +74,16 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.policy = policy
-        self.kv = kv_managers
         self.rng = rng
+        self.preemption = make_preemption(config.preemption)
+        self.books = [WorkerBook(w, kv, config.max_num_seqs) for w, kv in enumerate(kv_managers)]
+        self.placement = Placement(self.books, self.preemption, priority=config.priority,
+                                   max_bypasses=config.max_bypasses, max_num_seqs=config.max_num_seqs,
+                                   on_demand_kv=config.on_demand_kv)
         self.stats = SchedulerStats()
         self.waiting: deque[Request] = deque()
-        self.running: list[list[Request]] = [[] for _ in kv_managers]
-        self.alive = [True] * len(kv_managers)
         self._live: dict[str, Request] = {}
         self._by_key: dict[int, Request] = {}
-        self._to_admit: list[list[Request]] = [[] for _ in kv_managers]
-        self._to_release: list[list[tuple[int, int]]] = [[] for _ in kv_managers]
-        # Slots whose release was sent but not yet completed: a plan applies admits before
-        # releases, so a released slot is only reusable from the step after its release.
-        self._releases_in_flight: list[dict[int, int]] = [{} for _ in kv_managers]
-        self.swap = SwapBook(len(kv_managers))
-        # A worker whose running requests could not grow last step admits nothing new, so
-        # that freed blocks go to the work already running (no admit/preempt ping-pong).
-        self._short_of_blocks = [False] * len(kv_managers)
         self._next_key = 1
         self._next_generation = 1
         self._next_step = 1
@@ -92,44 +94,42 @@ class Scheduler:
     def is_live(self, request_id: str) -> bool:
         return request_id in self._live
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        """Queue a validated request; its seed is registered (drawn if not given)."""
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> tuple[Request, int]:
+        """Queue a validated request; returns it and its seed (registered, drawn if not given)."""
         key = self._next_key
         self._next_key += 1
         seed = self.rng.register(key, params.seed)
         limits = self.policy.limits(params, self.config.max_depth)
-        request = Request(request_id, key, list(prompt_token_ids), params, limits, seed, self._arrivals)
+        request = Request(request_id, key, list(prompt_token_ids), params, limits, self._arrivals)
         self._arrivals += 1
         self._live[request_id] = request
         self._by_key[key] = request
         self.waiting.append(request)
-        return request
+        return request, seed
 
     def abort(self, request_id: str) -> Request | None:
         """End a live request with finish reason `abort`; None if it is not live."""
         request = self._live.get(request_id)
-        if request is None:
-            return None
-        if request.status == RequestStatus.WAITING:
-            self.waiting.remove(request)
-        self.finish(request, "abort")
+        if request is not None:
+            self.finish(request, "abort")
         return request
 
-    def finish(self, request: Request, reason: str) -> None:
-        """End a request's life: KV back after its last step, slot released in the next plan, seed dropped."""
+    def finish(self, request: Request, reason: str, slot_open: bool = True) -> None:
+        """End a request's life: KV back after its last step, slot released in the next plan, seed dropped.
+
+        `slot_open` False: the worker never opened the request's slot (a failed plan's admit)."""
         if request.status == RequestStatus.RUNNING:
-            self.running[request.worker].remove(request)
-            if request in self._to_admit[request.worker]:
-                self._to_admit[request.worker].remove(request)  # never reached the worker
-            else:
-                self._to_release[request.worker].append((request.key, request.generation))
+            book = self.books[request.worker]
+            book.running.remove(request)
+            if request in book.to_admit:
+                book.to_admit.remove(request)  # never reached the worker
+            elif slot_open:
+                book.to_release.append((request.key, request.generation))
             if request.allocation is not None:
-                self.kv[request.worker].free(request.allocation, after_step=request.last_step_id)
-        elif request.key in self.swap.swapped_on:
-            worker = self.swap.swapped_on[request.key]
-            unexported = self.swap.forget(request, self.kv[worker])
-            if unexported is not None:
-                self._to_release[worker].append(unexported)
+                book.kv.free(request.allocation, after_step=request.last_step_id)
+        elif request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+            self.preemption.forget(self.books, request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.rng.drop(request.key)
@@ -140,30 +140,28 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self._live)
 
+    @property
+    def running(self) -> list[list[Request]]:
+        """Each worker's running requests (a view for health and tests)."""
+        return [book.running for book in self.books]
+
     def has_work(self, worker: int) -> bool:
         """Whether schedule(worker) would produce a plan."""
-        pending = self.running[worker] or self._to_release[worker] or self.waiting or self.swap.has_ops(worker)
-        return self.alive[worker] and bool(pending)
+        book = self.books[worker]
+        return book.alive and bool(book.running or book.has_slot_ops or self.waiting)
 
     # ------------------------------------------------------------------ schedule
 
     def schedule(self, worker: int) -> PlanBuilder | None:
         """Build `worker`'s next plan, or None when it has nothing to do."""
         self._place_waiting()
-        plan = PlanBuilder(self._next_step, self.policy.signal)
+        book = self.books[worker]
+        plan = PlanBuilder(self._next_step, self.policy.signal, self.rng.seed)
         budget = self.config.max_num_batched_tokens
-        cohort_busy = not self.config.refill and any(r.phase == Phase.LOOP for r in self.running[worker])
-        self._short_of_blocks[worker] = False
-        for key, generation in self._to_release[worker]:
-            plan.release(key, generation)
-        freed_slots = len(self._to_release[worker]) + self.swap.emit(plan, worker, self.kv[worker])
-        if freed_slots:
-            self._releases_in_flight[worker][plan.step_id] = freed_slots
-        self._to_release[worker].clear()
-        for request in self._to_admit[worker]:
-            plan.admit(request, request.allocation)
-        self._to_admit[worker].clear()
-        for request in list(self.running[worker]):
+        cohort_busy = not self.config.refill and any(r.phase == Phase.LOOP for r in book.running)
+        book.short_of_blocks = False
+        book.emit_slot_ops(plan)
+        for request in list(book.running):
             if budget <= 0:
                 break
             if request.status != RequestStatus.RUNNING:
@@ -175,113 +173,73 @@ class Scheduler:
                 if self._ensure_positions(plan, request, min(request.position + 2, request.max_positions)):
                     self._schedule_boundary(plan, request)
                     budget -= 1
-        for request in list(self.running[worker]):
+        for request in list(book.running):
             if budget <= 0:
                 break
             if request.phase == Phase.PREFILL and request.status == RequestStatus.RUNNING:
                 budget -= self._schedule_prefill(plan, request, budget, cohort_busy)
         if plan.is_empty:
             return None
+        for key in plan.named:
+            self._by_key[key].last_step_id = plan.step_id
+        book.sent(plan)
         self._next_step += 1
         self.stats.num_steps += 1
         return plan
 
     def _place_waiting(self) -> None:
-        """Admit waiting requests (FCFS, or by priority) on the worker with the most free KV.
-
-        Ties go to the worker with the fewest running requests. Under priority scheduling a
-        request that cannot be placed may preempt strictly lower-priority running work.
-        """
+        """Place waiting requests, in the order and on the workers `Placement` decides. Under
+        priority scheduling a request that cannot be placed may preempt lower-priority work."""
         while self.waiting:
-            request = self._next_waiting()
-            worker = self._placement(request)
-            if worker is None and self.config.priority and self._preempt_for(request):
-                if self.config.swap:
-                    return  # the victim's blocks and slot return only after its export runs
-                continue
-            if worker is None:
+            request = self.placement.next_waiting(self.waiting)
+            book = self.placement.worker_for(request)
+            if book is None and self.config.priority:
+                victim = self.placement.priority_victim(request)
+                if victim is not None:
+                    self.preempt(victim)
+                    if not self.preemption.frees_blocks_at_once:
+                        return  # the victim's blocks and slot return only after its export runs
+                    continue
+            if book is None:
                 return
             self.waiting.remove(request)
             if self.config.priority:  # under FCFS nobody is ever bypassed
                 for other in self.waiting:
                     if other.arrival < request.arrival:
                         other.num_bypasses += 1
-            request.worker = worker
-            request.allocation = self.kv[worker].allocate(self._initial_positions(request))
+            request.allocation = book.kv.allocate(self.placement.initial_positions(request))
+            request.worker = book.index
             request.generation = self._next_generation
             self._next_generation += 1
             request.status = RequestStatus.RUNNING
-            self.running[worker].append(request)
-            if request.key in self.swap.swapped_on:
-                self.swap.swap_in(request)  # resumes in the phase it left
-            else:
+            book.running.append(request)
+            if not self.preemption.resume(book, request):  # swap: an import resumes it where it left
                 request.phase = Phase.PREFILL
-                self._to_admit[worker].append(request)
-
-    def _next_waiting(self) -> Request:
-        if not self.config.priority:
-            return self.waiting[0]
-        starved = [r for r in self.waiting if r.num_bypasses >= self.config.max_bypasses]
-        if starved:
-            return min(starved, key=lambda r: r.arrival)
-        return min(self.waiting, key=lambda r: (r.params.priority, r.arrival))
-
-    def _initial_positions(self, request: Request) -> int:
-        if request.key in self.swap.positions:
-            return self.swap.positions[request.key]
-        if not self.config.on_demand_kv:
-            return request.max_positions
-        return min(request.max_positions, request.prompt_len + self.kv[0].block_size)
-
-    def _placement(self, request: Request) -> int | None:
-        swapped_on = self.swap.swapped_on.get(request.key)
-        if swapped_on is not None and not self.swap.can_resume(request, self.kv[swapped_on].completed_step):
-            return None
-        candidates = [
-            w for w, kv in enumerate(self.kv)
-            if self.alive[w]
-            and not self._short_of_blocks[w]
-            and swapped_on in (None, w)
-            and self._num_slots_held(w) < self.config.max_num_seqs
-            and kv.can_allocate(self._initial_positions(request))
-        ]
-        if not candidates:
-            return None
-        return max(candidates, key=lambda w: (self.kv[w].num_free_blocks, -len(self.running[w])))
-
-    def _preempt_for(self, request: Request) -> bool:
-        """Preempt the lowest-priority running request whose priority is strictly lower."""
-        victims = [
-            r for w, running in enumerate(self.running) if self.alive[w]
-            for r in running if r.params.priority > request.params.priority and r.phase != Phase.LAST_CODA
-        ]
-        if not victims:
-            return False
-        self.preempt(max(victims, key=lambda r: (r.params.priority, r.allocation.num_blocks if r.allocation else 0)))
-        return True
+                book.to_admit.append(request)
 
     def _ensure_positions(self, plan: PlanBuilder, request: Request, num_positions: int) -> bool:
         """Grow the request's KV to cover `num_positions`, preempting others if needed."""
-        allocation, kv = request.allocation, self.kv[request.worker]
+        allocation, book = request.allocation, self.books[request.worker]
         assert allocation is not None
         while allocation.num_positions < num_positions:
-            if not kv.can_grow():
-                self._short_of_blocks[request.worker] = True
-                victim = self._growth_victim(request, plan.step_id)
+            if not book.kv.can_grow():
+                book.short_of_blocks = True
+                victim = self._growth_victim(book, request, plan)
                 if victim is None:
                     return False
                 self.preempt(victim)
-                if self.config.swap:
+                if not self.preemption.frees_blocks_at_once:
                     return False  # a swapped victim's blocks return only after its export runs
                 continue
-            plan.append_blocks(request, kv.grow(allocation))
+            plan.append_blocks(request, book.kv.grow(allocation))
         return True
 
-    def _growth_victim(self, request: Request, step_id: int) -> Request | None:
+    @staticmethod
+    def _growth_victim(book: WorkerBook, request: Request, plan: PlanBuilder) -> Request | None:
         """Highest priority number, then most blocks held; never one already in this step."""
         victims = [
-            r for r in self.running[request.worker]
-            if r is not request and r.last_step_id != step_id and r.phase != Phase.LAST_CODA
+            r for r in book.running
+            if r is not request and r.key not in plan.named and r.phase != Phase.LAST_CODA
         ]
         if not victims:
             return None
@@ -290,33 +248,24 @@ class Scheduler:
     def preempt(self, request: Request) -> None:
         """Take a running request off its worker; it waits at the front of the queue.
 
-        swap: its slot state and pages are exported to the worker's host memory and imported
-        on resume. recompute (or a request that never reached its worker): slot and blocks go
-        back now and the request replays depth-faithfully on resume.
+        The preemption strategy queues its slot ops (swap: an export; recompute: a release). A
+        request that never reached its worker just gives its blocks back. Either way a request
+        that does not keep its progress replays depth-faithfully on resume.
         """
-        worker = request.worker
-        self.running[worker].remove(request)
-        never_started = request in self._to_admit[worker]
-        if never_started:
-            self._to_admit[worker].remove(request)
-        if self.config.swap and not never_started:
-            self.swap.swap_out(request, request.allocation)
-        else:
-            if not never_started:
-                self._to_release[worker].append((request.key, request.generation))
-            self.kv[worker].free(request.allocation, after_step=request.last_step_id)
+        book = self.books[request.worker]
+        book.running.remove(request)
+        if request in book.to_admit:
+            book.to_admit.remove(request)
+            book.kv.free(request.allocation, after_step=request.last_step_id)
             self._reset_for_replay(request)
+        else:
+            self.preemption.take_off(book, request)
+            if not self.preemption.keeps_progress:
+                self._reset_for_replay(request)
         request.allocation = None
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
         self.stats.num_preemptions += 1
-
-    def _num_slots_held(self, worker: int) -> int:
-        releasing = (
-            len(self._to_release[worker]) + self.swap.num_pending_exports(worker)
-            + sum(self._releases_in_flight[worker].values())
-        )
-        return len(self.running[worker]) + releasing
 
     def _schedule_loop(self, plan: PlanBuilder, request: Request) -> None:
         """The position's next loops: one, or up to `loops_per_plan` when no exit can come in between."""
@@ -375,61 +324,15 @@ class Scheduler:
         next_output = output_index + 1  # the output the next position's CODA produces
         request.position = position + 1
         request.phase = Phase.LOOP
-        request.depth = 1
-        request.hazard_remaining = 1.0
+        request.exit_state = self.policy.initial_state
         if next_output < request.num_outputs:
             request.exit_depth = request.exit_depths[next_output]
         else:
             request.exit_depth = self.policy.planned_exit(request, next_output)
         token = request.output_token_ids[output_index] if replaying else -1
         plan.prelude(request, request.position, token)
-        num_loops = self._num_loops(request, 1)
-        request.depth = num_loops
-        plan.recurrent(request, request.position, 1, num_loops)
-
-    # ------------------------------------------------------------------ faults
-
-    def worker_lost(self, worker: int) -> list[Request]:
-        """A worker died: replay its requests elsewhere; returns those that end with an error.
-
-        A request that has now lost two workers ends with an error, so a request that kills
-        workers cannot take the whole fleet down.
-        """
-        self.alive[worker] = False
-        self._to_admit[worker].clear()
-        self._to_release[worker].clear()
-        self._releases_in_flight[worker].clear()
-        failed: list[Request] = []
-        for request in reversed(self.running[worker]):
-            request.num_workers_lost += 1
-            request.allocation = None  # the blocks died with the worker's pool
-            request.status = RequestStatus.WAITING
-            if request.num_workers_lost >= 2:
-                failed.append(request)
-                self.finish(request, "error")
-                continue
-            self._reset_for_replay(request)
-            self.waiting.appendleft(request)
-            self.stats.num_replays += 1
-        self.running[worker].clear()
-        lost_copies = set(self.swap.worker_lost(worker))
-        for request in self.waiting:
-            if request.key in lost_copies:  # its host copy died with the worker: replay instead
-                self._reset_for_replay(request)
-                self.stats.num_replays += 1
-        return failed
-
-    def fail_all(self, reason: str) -> list[Request]:
-        """End every live request (no worker is left to run them)."""
-        requests = list(self._live.values())
-        for request in requests:
-            self.finish(request, reason)
-        return requests
-
-    def worker_started(self, worker: int, kv_manager: KVManager) -> None:
-        """A (replacement) worker is ready with an empty pool."""
-        self.kv[worker] = kv_manager
-        self.alive[worker] = True
+        request.depth = self._num_loops(request, 1)
+        plan.recurrent(request, request.position, 1, request.depth)
 
     def _reset_for_replay(self, request: Request) -> None:
         """Start a new life of the request's slot: prompt again, delivered outputs replayed."""
@@ -445,8 +348,7 @@ class Scheduler:
 
     def update(self, worker: int, result: StepResult) -> list[Request]:
         """Apply one StepResult of `worker`; returns the requests whose output changed."""
-        self.kv[worker].retire(result.step_id)
-        self._releases_in_flight[worker].pop(result.step_id, None)
+        self.books[worker].completed(result.step_id, result.num_free_slots)
         changed: dict[int, Request] = {}
         rows = zip(
             result.col("keys").tolist(), result.col("generations").tolist(), result.col("stages").tolist(),
@@ -477,6 +379,6 @@ class Scheduler:
 
     def _apply_loop(self, request: Request, depth: int, signal: float) -> None:
         if request.exit_depth is None and self.policy.signal != Signal.NONE:
-            request.exit_depth = self.policy.observe(request, depth, signal)
+            request.exit_depth, request.exit_state = self.policy.observe(request, depth, signal)
         if request.exit_depth is not None and depth >= request.exit_depth:
             request.phase = Phase.BOUNDARY

@@ -6,16 +6,42 @@ directory (a shipped one too) brings its own `tokenizer.json`, read with the `to
 
 from __future__ import annotations
 
+import codecs
 from pathlib import Path
 from typing import Protocol
 
 from rlt_engine.checkpoints import resolve_model
 
 
+class TextDecoder(Protocol):
+    """Incremental detokenization of one token stream: each call costs O(its tokens)."""
+
+    def step(self, token_id: int) -> str:
+        """The text this token completes ("" while a character is incomplete)."""
+        ...
+
+    def flush(self) -> str:
+        """What is still held (an incomplete character decodes to U+FFFD, as a whole decode would)."""
+        ...
+
+
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, token_ids: list[int]) -> str: ...
+
+    def decode_stream(self) -> TextDecoder: ...
+
+
+class _Utf8Stream:
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def step(self, token_id: int) -> str:
+        return self._decoder.decode(bytes((token_id,))) if 0 <= token_id < 256 else ""
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)
 
 
 class ByteTokenizer:
@@ -26,6 +52,32 @@ class ByteTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
+
+    def decode_stream(self) -> TextDecoder:
+        return _Utf8Stream()
+
+
+class _HFStream:
+    """`tokenizers.decoders.DecodeStream`, plus the ids it holds back (an incomplete character)."""
+
+    def __init__(self, tokenizer: object) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._held: list[int] = []
+
+    def step(self, token_id: int) -> str:
+        text = self._stream.step(self._tokenizer, token_id)
+        if text is None:
+            self._held.append(token_id)
+            return ""
+        self._held.clear()
+        return text
+
+    def flush(self) -> str:
+        held, self._held = self._held, []
+        return self._tokenizer.decode(held, skip_special_tokens=True) if held else ""
 
 
 class HFTokenizer:
@@ -42,6 +94,9 @@ class HFTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def decode_stream(self) -> TextDecoder:
+        return _HFStream(self._tokenizer)
+
 
 class NoTokenizer:
     """A checkpoint without tokenizer.json: token-id prompts only."""
@@ -50,6 +105,17 @@ class NoTokenizer:
         raise ValueError("this checkpoint has no tokenizer.json: pass prompt_token_ids instead of text")
 
     def decode(self, token_ids: list[int]) -> str:
+        return ""
+
+    def decode_stream(self) -> TextDecoder:
+        return _NoText()
+
+
+class _NoText:
+    def step(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
         return ""
 
 

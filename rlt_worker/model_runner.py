@@ -20,6 +20,7 @@ device→host copies are the result's, once per plan, when the StepResult is bui
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,7 @@ import torch
 
 from protocol.messages import (
     Admit,
+    AppliedOps,
     BlockAppends,
     CodaBatch,
     ExecutionPlan,
@@ -110,6 +112,8 @@ class ModelRunner:
         self._slot_of: dict[tuple[int, int], int] = {}
         self._free_slots = list(range(slots - 1, -1, -1))
         self._swap = SwapStore()
+        self.applied = AppliedOps()  # the slot ops of the current (or last) plan applied so far
+        self.fault_hook: Callable[[str], None] | None = None  # tests: fail a plan at a chosen point
         self._graphs: LoopPassGraphs | None = None
         if config.cuda_graphs and self.device.type == "cuda":
             self.use_pass_graphs(emulate=False)
@@ -146,14 +150,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: ExecutionPlan) -> StepResult:
-        """Apply a plan in its order (admits, appends, batches, releases) and report its rows."""
+        """Apply a plan in its order (admits, appends, batches, releases) and report its rows.
+
+        `applied` counts the slot ops done so far, so a plan that raises midway can say which of
+        its slot ops took effect (the Worker puts it into the error result)."""
         results = ResultBuilder(plan.step_id)
+        self.applied = AppliedOps()
         for admit in plan.admits:
+            self.fault_point("admit")
             self._admit(admit)
+            self.applied.admits += 1
         imported = self._swap.open_imports(self, plan.imports)
         self._append_blocks(plan.block_appends)
         self._swap.restore_pages(self, imported)
         for batch in plan.batches:
+            self.fault_point("batch")
             if isinstance(batch, PrefillBatch):
                 self._prefill(batch)
             elif isinstance(batch, PreludeBatch):
@@ -166,7 +177,7 @@ class ModelRunner:
                 self._coda(batch, results)
         self._swap.export(self, plan.exports)
         self._release(plan.releases)
-        self._swap.drop(plan.swap_drops)
+        self._swap.drop(self, plan.swap_drops)
         return results.build(num_free_slots=self.num_free_slots)
 
     # ------------------------------------------------------------------ slot table
@@ -205,7 +216,14 @@ class ModelRunner:
 
     def _release(self, releases: SlotKeys) -> None:
         for key, generation in zip(releases.col("keys").tolist(), releases.col("generations").tolist(), strict=True):
+            self.fault_point("release")
             self.close_slot(key, generation)
+            self.applied.releases += 1
+
+    def fault_point(self, point: str) -> None:
+        """A test hook: `fault_hook(point)` runs before each slot op and batch (it may raise)."""
+        if self.fault_hook is not None:
+            self.fault_hook(point)
 
     def slot_of(self, key: int, generation: int) -> int:
         """The slot index of an open (key, generation)."""

@@ -43,6 +43,7 @@ class SwapStore:
         """Copy each slot's state and pages to host memory, then free the slot."""
         pin = runner.device.type == "cuda"
         for key, generation in zip(exports.col("keys").tolist(), exports.col("generations").tolist(), strict=True):
+            runner.fault_point("export")
             if key in self._copies:
                 raise KeyError(f"request key {key} already has a host copy")
             slot = runner.slot_of(key, generation)
@@ -55,14 +56,17 @@ class SwapStore:
             greedy = bool(runner.host_greedy[slot])
             self._copies[key] = HostCopy(rows, pages.pin_memory() if pin else pages, greedy)
             runner.close_slot(key, generation)
+            runner.applied.exports += 1
 
     def open_imports(self, runner: ModelRunner, imports: SlotKeys) -> list[tuple[int, int]]:
         """Open a slot for each (key, new generation) and restore its state; returns (key, slot)."""
         opened = []
         for key, generation in zip(imports.col("keys").tolist(), imports.col("generations").tolist(), strict=True):
+            runner.fault_point("import")
             if key not in self._copies:
                 raise KeyError(f"no host copy for request key {key}")
             slot = runner.open_slot(key, generation)
+            runner.applied.imports += 1
             for name, row in self._copies[key].rows.items():
                 getattr(runner, name)[slot] = row.to(runner.device)
             runner.host_greedy[slot] = self._copies[key].greedy
@@ -79,7 +83,9 @@ class SwapStore:
                 raise ValueError(f"import of key {key}: {blocks.shape[1]} blocks per plane for {num_pages} pages")
             runner.storage.pool[:, :, blocks] = copy.pages.to(runner.device, non_blocking=True)
 
-    def drop(self, drops: SlotKeys) -> None:
-        """Forget host copies (their requests were aborted while swapped out)."""
+    def drop(self, runner: ModelRunner, drops: SlotKeys) -> None:
+        """Forget host copies (their requests were aborted while swapped out); a missing one is no error."""
         for key in drops.col("keys").tolist():
+            runner.fault_point("swap_drop")
             self._copies.pop(key, None)
+            runner.applied.swap_drops += 1

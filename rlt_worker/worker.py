@@ -60,14 +60,14 @@ class Worker:
 
             model = with_fused_layers(model)
         info = model.info
-        max_loops = config.max_loops or info.default_loops
-        planes = num_planes(info, config.kv_layout, max_loops)
+        max_depth = config.max_loops or info.default_loops  # D
+        planes = num_planes(info, config.kv_layout, max_depth)
         num_blocks = config.num_blocks or self._auto_num_blocks(info, dtype, device)
         # One block beyond the engine's num_blocks: scratch for the padding rows of graph-captured passes.
         storage = KVStorage(info, num_blocks + 1, config.block_size, dtype, device)
         runner_config = RunnerConfig(
             kv_layout=config.kv_layout,
-            max_loops=max_loops,
+            max_loops=max_depth,
             num_planes=planes,
             max_slots=config.max_num_seqs,
             attention_backend=config.attention_backend,
@@ -85,7 +85,7 @@ class Worker:
             device=str(device),
             num_blocks=num_blocks,
             num_planes=planes,
-            max_loops=max_loops,
+            max_depth=max_depth,
             model=info,
             pid=os.getpid(),
         )
@@ -107,7 +107,8 @@ class Worker:
             return self.runner.execute(plan)
         except Exception as exc:  # the engine decides what a failed plan means
             log.exception("plan %d failed", plan.step_id)
-            return StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}")
+            return StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}",
+                              applied=self.runner.applied, num_free_slots=self.runner.num_free_slots)
 
     def close(self) -> None:
         """Drop the runner and its device memory."""

@@ -48,6 +48,7 @@ EXIT_HANDSHAKE = 3  # protocol version / config mismatch, no hello in time, CURV
 EXIT_ENGINE_GONE = 4  # parent changed, or the engine fell silent past the deadline
 
 HELLO_TIMEOUT_S = 60.0
+START_DELAY_ENV = "RLT_TEST_REPLACEMENT_START_DELAY_S"  # seconds a replacement worker waits before loading
 MAX_DEADLINE_S = 3.0  # SPEC §7: workers notice a dead or hung engine within 3 s
 POLL_S = 0.2  # upper bound on one poll, so the parent-pid check runs 5× a second
 _PR_SET_PDEATHSIG = 1
@@ -298,6 +299,7 @@ def run_worker(
     parent_pid: int | None = None,
     heartbeat: str | None = None,
     hello_timeout_s: float = HELLO_TIMEOUT_S,
+    start_delay_s: float = 0.0,
 ) -> int:
     """Serve one engine until it says Shutdown or goes away; returns the process exit code."""
     if parent_pid is not None:
@@ -315,6 +317,9 @@ def run_worker(
     try:
         link = EngineLink(ctx, connect, heartbeat, parent_pid, curve_server_public_key, curve_secret_key)
         hello = _await_hello(link, index, hello_timeout_s)
+        if start_delay_s > 0:  # a test hook: a slow start (say, a large checkpoint) on a small model
+            log.info("start delayed by %.1f s (%s)", start_delay_s, START_DELAY_ENV)
+            time.sleep(start_delay_s)
         worker, ready = _build_worker(hello)
         link.send(ready)
         link.last_heard = time.monotonic()  # loading may have taken a while: start the deadline now
@@ -364,6 +369,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--curve-server-key", default=None, help="the engine's public certificate (zmq.auth format)")
     parser.add_argument("--curve-key", default=None, help="this worker's secret certificate (*.key_secret)")
     parser.add_argument("--hello-timeout", type=float, default=HELLO_TIMEOUT_S, help="seconds to wait for the engine")
+    parser.add_argument("--replacement", action="store_true", help="started in place of a lost worker")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
@@ -381,9 +387,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         log.error("cannot load CURVE keys: %s", exc)
         return EXIT_USAGE
+    # Test hook: slow the start of replacement workers only (the first ones start as usual).
+    delay = float(os.environ.get(START_DELAY_ENV, "0") or 0) if args.replacement else 0.0
     return run_worker(
         args.connect, server_key, secret_key, index=args.index, parent_pid=args.parent_pid,
-        heartbeat=args.heartbeat, hello_timeout_s=args.hello_timeout,
+        heartbeat=args.heartbeat, hello_timeout_s=args.hello_timeout, start_delay_s=delay,
     )
 
 

@@ -25,9 +25,14 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
-from protocol.messages import CodaBatch, ExecutionPlan, FinalizeBatch, RecurrentBatch, SamplingParams
+from protocol.columns import F64, I32, I64, pack
+from protocol.messages import CodaBatch, ExecutionPlan, FinalizeBatch, RecurrentBatch, SamplingParams, Stage, StepResult
 from rlt_engine import LLM, GenerationOutput, LLMEngine
+from rlt_engine.exit_policy import FixedExit
+from rlt_engine.kv_manager import KVManager
 from rlt_engine.request import Request
+from rlt_engine.rng import RngRegistry
+from rlt_engine.scheduler import Scheduler, SchedulerConfig
 from rlt_worker.models.base import LoopedModel
 from rlt_worker.models.loader import load_model
 from rlt_worker.models.reference import ReferenceConfig, ReferenceResult, generate_reference
@@ -158,6 +163,7 @@ class Resources:
     free_kv_blocks: int
     free_slots: int
     registry_seeds: int
+    text_states: int  # lives the output processor still tracks
 
 
 def resources(engine: LLMEngine) -> Resources:
@@ -166,6 +172,7 @@ def resources(engine: LLMEngine) -> Resources:
         free_kv_blocks=sum(kv.num_free_blocks for kv in engine.kv_managers),
         free_slots=engine.executor._worker.runner.num_free_slots,
         registry_seeds=len(engine.rng),
+        text_states=len(engine.outputs),
     )
 
 
@@ -208,8 +215,8 @@ class Driver:
     plan and every output, attributing each output to the life (Job) it belongs to.
 
     An output for an id goes to the oldest life of that id that has not delivered its finished
-    output yet; so if an old life delivered anything after its end (or a reused id's new life
-    delivered before the old life's abort output) a life's stream check fails."""
+    output yet; an abort closes its life with abort_request's answer. So if an old life delivered
+    anything after its end, a life's stream check fails."""
 
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
@@ -233,12 +240,16 @@ class Driver:
         self._open[job.request_id].append(life)
         return life
 
-    def abort(self, request_id: str) -> bool:
-        aborted = self.engine.abort_request(request_id)
-        if aborted:
-            life = self._open[request_id][-1]
+    def abort(self, request_id: str) -> GenerationOutput | None:
+        """Abort the id's open life; its final output (abort_request's answer) closes the life at once,
+        so any later step() output of that life would land on the next life and fail its stream check."""
+        final = self.engine.abort_request(request_id)
+        if final is not None:
+            life = self._open[request_id].popleft()
             life.abort_requested, life.aborted_at = True, self.steps
-        return aborted
+            assert final.finished and final.finish_reason == "abort", final
+            life.outputs.append(final)
+        return final
 
     def step(self) -> list[GenerationOutput]:
         outputs = self.engine.step()
@@ -568,3 +579,64 @@ def all_pairs(factors: dict[str, Sequence[object]]) -> list[dict[str, object]]:
         uncovered -= pairs_of(row)
         rows.append({names[k]: factors[names[k]][v] for k, v in sorted(row.items())})
     return rows
+
+
+# --------------------------------------------------------------------------------- scheduler units
+
+
+def make_scheduler(
+    *, num_workers: int = 1, num_blocks: int = 64, block_size: int = 4, num_planes: int = 4, **overrides: object
+) -> Scheduler:
+    """A Scheduler with toy-ouro's depth (D = 4, LAST_EXITED planes) and the fixed exit policy,
+    driven without any worker: tests feed it hand-built StepResults (see `result_for`)."""
+    options: dict[str, object] = dict(
+        max_depth=DEPTH["toy-ouro"], kv_layout="last_exited", refill=True, max_num_seqs=4,
+        max_num_batched_tokens=64, prefill_chunk_size=8, eos_token_ids=frozenset({257}), coda_has_kv=False,
+        on_demand_kv=True,
+    )
+    config = SchedulerConfig(**{**options, **overrides})
+    kv = [KVManager(num_blocks, block_size, num_planes) for _ in range(num_workers)]
+    return Scheduler(config, FixedExit(), kv, RngRegistry())
+
+
+def add_requests(scheduler: Scheduler, n: int, *, prompt_len: int = 3, prefix: str = "r",
+                 **params: object) -> list[Request]:
+    """`n` requests (seeded, ignore_eos) queued in order."""
+    fields: dict[str, object] = {"max_tokens": 4, "seed": 1, "ignore_eos": True, **params}
+    return [scheduler.add(f"{prefix}{i}", list(range(1, prompt_len + 1)), SamplingParams(**fields))[0]
+            for i in range(n)]
+
+
+def result_for(plan: ExecutionPlan, token: int = 7, error: str = "", applied: object = None) -> StepResult:
+    """The StepResult a worker would send for `plan`: each RECURRENT row at its last depth, each
+    sampling CODA row with `token`. With `error`, no rows: the plan failed (`applied` says how far)."""
+    if error:
+        return StepResult(step_id=plan.step_id, error=error, applied=applied)
+    keys, generations, stages, depths, tokens = [], [], [], [], []
+    for key, gen, first, count in _rows(plan, RecurrentBatch, ("keys", "generations", "first_depths", "num_loops")):
+        keys.append(key), generations.append(gen), stages.append(Stage.RECURRENT)
+        depths.append(first + count - 1), tokens.append(-1)
+    for key, gen, index in _rows(plan, CodaBatch, ("keys", "generations", "sample_indices")):
+        if index >= 0:
+            keys.append(key), generations.append(gen), stages.append(Stage.CODA), depths.append(0)
+            tokens.append(token)
+    n = len(keys)
+    return StepResult(
+        step_id=plan.step_id, keys=pack(keys, I64), generations=pack(generations, I64), stages=pack(stages, I32),
+        depths=pack(depths, I32), signals=pack([math.nan] * n, F64), tokens=pack(tokens, I32),
+        logprobs=pack([0.0] * n, F64),
+    )
+
+
+def run_step(scheduler: Scheduler, worker: int = 0, **result: object) -> ExecutionPlan | None:
+    """schedule → build → (hand-built) result → update; returns the plan (None: nothing to do)."""
+    builder = scheduler.schedule(worker)
+    if builder is None:
+        return None
+    plan = builder.build()
+    outcome = result_for(plan, **result)
+    if outcome.error:
+        scheduler.step_failed(worker, outcome)
+    else:
+        scheduler.update(worker, outcome)
+    return plan

@@ -37,8 +37,10 @@ def short_ipc_path(tmp_path: Path, name: str = "rlt.sock") -> str:
 class ServerProcess:
     """One `rlt-serve` process tree, started and stopped by pid."""
 
-    def __init__(self, ipc: str, *args: str, workers: int = 1, log_dir: Path | None = None) -> None:
+    def __init__(self, ipc: str, *args: str, workers: int = 1, log_dir: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.ipc = ipc
+        self.env = {**os.environ, **(env or {})}
         self.address = f"ipc://{ipc}"
         self.args = ["--workers", str(workers), *args]
         self.log_path = Path(log_dir or os.path.dirname(ipc)) / f"serve-{os.getpid()}-{time.monotonic_ns()}.log"
@@ -54,7 +56,7 @@ class ServerProcess:
         self._log = open(self.log_path, "wb")
         # Its own process group, as a shell job would be: a test can signal the group like Ctrl-C does.
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL, text=True,
-                                     start_new_session=True)
+                                     start_new_session=True, env=self.env)
         self.tree = [psutil.Process(self.proc.pid)]
         ready = threading.Event()
         threading.Thread(target=self._read_stdout, args=(ready,), daemon=True).start()

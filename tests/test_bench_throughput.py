@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -118,8 +119,9 @@ def test_gate_passes_an_equal_engine_and_catches_a_wrong_token(one_thread: None)
         assert gate.check(llm, reference, "float64").equal == 3
         wrong = reference.outputs[0].token_ids[:]
         wrong[2] = (wrong[2] + 1) % 256
-        outputs = [dataclasses.replace(reference.outputs[0], token_ids=wrong), *reference.outputs[1:]]
-        altered = dataclasses.replace(reference, outputs=outputs)
+        # A GenerationOutput's cumulative fields are read-only: the gate reads only these two.
+        first = SimpleNamespace(token_ids=wrong, exit_depths=reference.outputs[0].exit_depths)
+        altered = dataclasses.replace(reference, outputs=[first, *reference.outputs[1:]])
         result = gate.check(llm, altered, "float64")
         assert not result.passed and result.equal == 2
         assert "request 0: token 2" in result.failures[0] and "logprob gap" in result.failures[0]

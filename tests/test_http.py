@@ -367,6 +367,34 @@ def test_chat_completions_with_a_template(chat):
 
 
 @pytest.mark.timeout(120)
+def test_overflowing_ints_and_lone_surrogates_are_400s_and_counted(chat):
+    """Well-formed JSON that the engine could never take (ints beyond 64 bits, text with a lone
+    surrogate, which the tokenizers library cannot even receive) is a 400 with OpenAI-style JSON,
+    and every refusal counts in rlt_requests_rejected_total."""
+    url = f"{chat.url}/v1/completions"
+    bodies = {
+        "max_tokens 10^30": '{"prompt": "hi", "max_tokens": 1000000000000000000000000000000}',
+        "lone surrogate": '{"prompt": "\\udc80", "max_tokens": 2}',
+        "lone surrogate in a batch": '{"prompt": ["ok", "\\udc80"], "max_tokens": 2}',
+        "surrogate in stop": '{"prompt": "hi", "max_tokens": 2, "stop": "\\udc80"}',
+        "token id 10^30": '{"prompt": [1, 1000000000000000000000000000000], "max_tokens": 2}',
+        "top_k 10^30": '{"prompt": "hi", "max_tokens": 2, "top_k": 1000000000000000000000000000000}',
+    }
+    before = metric_values(chat.url).get('rlt_requests_rejected_total{status="400"}', 0.0)
+    for name, body in bodies.items():
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 400, (name, r.status_code, r.text)
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["message"], (name, error)
+    r = httpx.post(f"{chat.url}/v1/chat/completions", timeout=30, headers={"content-type": "application/json"},
+                   content='{"messages": [{"role": "user", "content": "\\udc80"}], "max_tokens": 2}')
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    after = metric_values(chat.url).get('rlt_requests_rejected_total{status="400"}', 0.0)
+    assert after - before == len(bodies) + 1
+    chat.wait_idle()
+
+
+@pytest.mark.timeout(120)
 def test_over_max_pending_is_429_with_retry_after(chat):
     chat.wait_idle()
     url = f"{chat.url}/v1/completions"

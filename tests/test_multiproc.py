@@ -223,15 +223,24 @@ def test_frame_of_another_version_ends_the_handshake(isolated: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_worker_dying_during_startup_fails_promptly() -> None:
+def test_worker_dying_during_startup_fails_promptly(tmp_path: Path) -> None:
+    """A checkpoint directory the engine accepts (it has a config.json) but a worker cannot load."""
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "no-such-family"}')
     start = time.monotonic()
     with pytest.raises(WorkerStartupError) as err:
-        LLM("/nonexistent/model", workers=2, device="cpu", dtype="float64")
+        LLM(str(broken), workers=2, device="cpu", dtype="float64")
     elapsed = time.monotonic() - start
     log.info("startup failure reported after %.2f s", elapsed)
     message = str(err.value)
-    assert "exited with code 1 during startup" in message and "/nonexistent/model" in message, message
+    assert "exited with code 1 during startup" in message and "no-such-family" in message, message
     assert elapsed < 30
+
+
+def test_an_unknown_model_fails_before_any_worker_starts() -> None:
+    with pytest.raises(ValueError, match="neither a built-in model .*tiny-ouro-py.* nor a checkpoint directory"):
+        LLM("/nonexistent/model", workers=2, device="cpu", dtype="float64")
 
 
 # ---------------------------------------------------------------------------------- engine death
@@ -477,3 +486,21 @@ def test_restart_replaces_a_killed_worker() -> None:
         assert killed and executor.alive_workers() == [0] and executor.worker_pids()[0] != first_pid
         assert _is_gone(first_pid)
         assert [(outputs[f"r{i}"].token_ids, outputs[f"r{i}"].exit_depths) for i in range(len(PROMPTS))] == expected
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_dies_while_idle_is_noticed_before_the_next_plan() -> None:
+    """SIGKILL worker 0 while the engine has nothing to do: the next step sees the death (its
+    silence check reads the pidfd) before placing anything on it, so new requests run on worker 1
+    and equal the reference; health reports the dead worker with 0 KV used and 0 free slots."""
+    expected = _reference(prompts=PROMPTS[:2])
+    with LLM("toy-ouro", workers=2, **MODEL_OPTIONS) as llm:
+        engine, executor = llm.engine, llm.engine.executor
+        victim = executor.worker_pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        assert _wait_gone([victim], 10) is not None
+        outs = llm.generate(PROMPTS[:2], _params(8)[:2], use_tqdm=False)
+        assert [(o.token_ids, o.exit_depths) for o in outs] == expected
+        (dead, alive) = engine.health().workers
+        assert not dead.alive and dead.kv_blocks_used == 0 and dead.free_slots == 0 and not dead.responsive
+        assert alive.alive and alive.free_slots > 0

@@ -30,6 +30,7 @@ from protocol.columns import F64, I32, I64, U64
 from protocol.messages import (
     AbortRequest,
     Admit,
+    AppliedOps,
     BlockAppends,
     ClientInbound,
     ClientOutbound,
@@ -244,7 +245,7 @@ worker_readies = st.builds(
     device=TEXT,
     num_blocks=st.integers(0, 2**40),
     num_planes=st.integers(1, 65),
-    max_loops=st.integers(1, 64),
+    max_depth=st.integers(1, 64),
     model=model_infos,
     pid=st.integers(1, 2**31),
 )
@@ -266,6 +267,7 @@ def step_results(draw: Any) -> StepResult:
         logprobs=pack(draw(col(ANY_FLOAT, n)), F64),
         num_free_slots=draw(st.integers(0, 4096)),
         error=draw(TEXT),
+        applied=draw(st.none() | st.builds(AppliedOps, *[st.integers(0, 4096)] * 5)),
     )
 
 
@@ -334,6 +336,8 @@ worker_healths = st.builds(
     kv_blocks_total=st.integers(0, 2**40),
     kv_blocks_used=st.integers(0, 2**40),
     running=st.integers(0, 4096),
+    free_slots=st.integers(0, 4096),
+    responsive=st.booleans(),
 )
 health_reports = st.builds(
     HealthReport,

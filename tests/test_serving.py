@@ -8,6 +8,7 @@ the target, with the measured value logged.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import signal
@@ -25,7 +26,6 @@ from serving_helpers import ClientProcess, ServerProcess, short_ipc_path
 from protocol import PROTOCOL_VERSION, client_codec
 from protocol.messages import EngineError, GenerateRequest, HealthReport, SamplingParams
 from rlt_engine.client import Client, EngineDeadError, RequestError
-from rlt_engine.frontend import IncrementalText
 
 log = logging.getLogger("test_serving")
 
@@ -66,8 +66,8 @@ def make_server(tmp_path):
     """Start servers on demand; every one is stopped and checked at teardown."""
     started: list[ServerProcess] = []
 
-    def make(*args: str, workers: int = 1, ipc: str | None = None) -> ServerProcess:
-        server = ServerProcess(ipc or short_ipc_path(tmp_path), *args, workers=workers, log_dir=tmp_path)
+    def make(*args: str, workers: int = 1, ipc: str | None = None, env: dict[str, str] | None = None) -> ServerProcess:
+        server = ServerProcess(ipc or short_ipc_path(tmp_path), *args, workers=workers, log_dir=tmp_path, env=env)
         started.append(server)
         return server.start()
 
@@ -118,27 +118,6 @@ def at_baseline(report: HealthReport) -> bool:
 def test_client_imports_no_torch():
     code = "import sys, rlt_engine.client; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-
-
-def test_incremental_text_holds_back_incomplete_utf8():
-    data = "aé€😀b".encode()
-    text = IncrementalText()
-    sent = ""
-    for n in range(1, len(data) + 1):
-        piece = text.delta(data[:n].decode("utf-8", errors="replace"), finished=False)
-        assert "\ufffd" not in piece, f"an incomplete character leaked after {n} bytes"
-        sent += piece
-        assert "aé€😀b".startswith(sent)
-    sent += text.delta(data.decode(), finished=True)
-    assert sent == "aé€😀b"
-    # A byte that never completes is delivered once the request ends.
-    text = IncrementalText()
-    assert text.delta("x\ufffd", finished=False) == "x"
-    assert text.delta("x\ufffd", finished=True) == "\ufffd"
-    # The start of a stop string waits: the engine may cut it.
-    text = IncrementalText(stop=["END"])
-    assert text.delta("abcEN", finished=False) == "abc"
-    assert text.delta("abc", finished=True) == ""
 
 
 # --------------------------------------------------------------------------- shared server
@@ -267,36 +246,187 @@ def _stream_lanes(prefix: str, n_lanes: int, per_lane: int, max_tokens: int, see
 STREAMED_TOKENS = 96
 
 
-@pytest.mark.timeout(300)
-def test_worker_sigkill_while_clients_stream(make_server, offline, tmp_path):
-    server = make_server(workers=2)
-    clients = [ClientProcess(server.address, _stream_lanes(f"c{c}", 2, 1, STREAMED_TOKENS, 1000 * c), tmp_path, f"c{c}")
-               for c in range(4)]
-    try:
-        for proc in clients:
-            proc.wait_for_line("streaming", 120)
-        with Client(server.address) as probe:
-            before = probe.health()
-            deadline = time.monotonic() + 10
-            while not all(w.running > 0 for w in before.workers) and time.monotonic() < deadline:
-                before = probe.health()  # placement is by free KV: wait until both workers hold work
-        assert all(w.running > 0 for w in before.workers), f"a worker runs nothing, the kill proves little: {before}"
-        victim = server.worker_pids()[0]
-        os.kill(victim, signal.SIGKILL)
-        reports = [proc.result(240) for proc in clients]
-    finally:
-        for proc in clients:
-            proc.kill()
-    jobs = [job for c in range(4) for lane in _stream_lanes(f"c{c}", 2, 1, STREAMED_TOKENS, 1000 * c) for job in lane]
-    expected = dict(zip([j["id"] for j in jobs],
-                        reference(offline, [(j["prompt"], SamplingParams(**j["params"])) for j in jobs]), strict=True))
+class HealthProbe(threading.Thread):
+    """Asks for health() every 50 ms from its own client; records each answer's latency."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(daemon=True)
+        self.client = Client(address)
+        self.stopped = threading.Event()
+        self.latencies: list[float] = []
+        self.reports: list[tuple[float, HealthReport]] = []
+        self.errors: list[str] = []
+
+    def run(self) -> None:
+        while not self.stopped.wait(0.05):
+            start = time.monotonic()
+            try:
+                report = self.client.health()
+            except Exception as exc:  # asserted by the test
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+                continue
+            self.latencies.append(time.monotonic() - start)
+            self.reports.append((time.monotonic(), report))
+
+    def wait_for(self, condition, timeout: float) -> float:
+        """Seconds until a report satisfied `condition` (AssertionError after `timeout`)."""
+        start = time.monotonic()
+        while not (self.reports and condition(self.reports[-1][1])):
+            assert time.monotonic() - start < timeout, f"not within {timeout} s: {self.reports[-1:]}"
+            time.sleep(0.02)
+        return time.monotonic() - start
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join(10)
+        self.client.close()
+
+
+def _expected(offline, jobs: list[dict]) -> dict[str, list[int]]:
+    want = reference(offline, [(j["prompt"], SamplingParams(**j["params"])) for j in jobs])
+    return dict(zip([j["id"] for j in jobs], want, strict=True))
+
+
+def _assert_exact(reports: list[dict], expected: dict[str, list[int]]) -> None:
     for report in reports:
         assert not report["torch_imported"]
         for r in report["results"]:
             assert r["error"] is None, r
             assert r["finish_reason"] in ("length", "stop"), r
             assert r["token_ids"] == expected[r["id"]], r["id"]
+
+
+REPLACEMENT_DELAY_S = 4.0
+
+
+@pytest.mark.timeout(300)
+def test_worker_sigkill_with_a_slow_replacement_while_clients_stream(make_server, offline, tmp_path):
+    """--restart-workers, a replacement slowed to 4 s by the test hook, SIGKILL one of two workers
+    with streams in flight: the engine replays on the survivor and keeps answering while the
+    replacement starts (health within 0.5 s throughout), no client sees an error, outputs equal
+    the offline run, and the replacement then serves."""
+    server = make_server("--restart-workers", workers=2,
+                         env={"RLT_TEST_REPLACEMENT_START_DELAY_S": str(REPLACEMENT_DELAY_S)})
+    lanes = {c: _stream_lanes(f"c{c}", 2, 1, STREAMED_TOKENS, 1000 * c) for c in range(4)}
+    clients = [ClientProcess(server.address, lanes[c], tmp_path, f"c{c}") for c in range(4)]
+    probe = HealthProbe(server.address)
+    try:
+        for proc in clients:
+            proc.wait_for_line("streaming", 120)
+        probe.start()
+        # Placement is by free KV: wait until both workers hold work, or the kill proves little.
+        probe.wait_for(lambda r: all(w.running > 0 for w in r.workers), 10)
+        os.kill(server.worker_pids()[0], signal.SIGKILL)
+        restarted = probe.wait_for(lambda r: r.num_worker_restarts == 1 and all(w.alive for w in r.workers), 60)
+        reports = [proc.result(240) for proc in clients]
+        with Client(server.address) as after:  # the replacement serves too
+            assert after.generate("again", SamplingParams(max_tokens=4, seed=1)).finish_reason == "length"
+    finally:
+        probe.stop()
+        for proc in clients:
+            proc.kill()
+    worst = max(probe.latencies)
+    log.info("replacement serving %.2f s after the kill; worst health latency %.3f s over %d probes",
+             restarted, worst, len(probe.latencies))
+    assert restarted >= REPLACEMENT_DELAY_S, "the replacement came up faster than the hook allows"
+    assert not probe.errors and worst < 0.5, (probe.errors, worst)
+    _assert_exact(reports, _expected(offline, [j for c in lanes for lane in lanes[c] for j in lane]))
     assert "lost" in server.log_text()
+
+
+WORKER_TIMEOUT_S = 8.0  # late after half of it
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_worker_gets_no_new_requests(make_server, offline, tmp_path):
+    """SIGSTOP one of two workers (SIGCONT at the end): once it is late by half the worker timeout,
+    new requests go to the other worker and each gets its first token within 2 s; requests that
+    were placed on it but never sent move too (first token within twice the lateness bound)."""
+    server = make_server("--worker-timeout", str(WORKER_TIMEOUT_S), workers=2)
+    late_after = WORKER_TIMEOUT_S / 2
+    lanes = _stream_lanes("bg", 2, 1, STREAMED_TOKENS, 5000)
+    background = ClientProcess(server.address, lanes, tmp_path, "bg")
+    probe = HealthProbe(server.address)
+    stopped = None
+    try:
+        background.wait_for_line("streaming", 120)
+        probe.start()
+        probe.wait_for(lambda r: all(w.running > 0 for w in r.workers), 10)
+        stopped = server.worker_pids()[0]
+        os.kill(stopped, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        jobs = [{"id": f"{kind}{i}", "prompt": f"{kind} {i}",
+                 "params": {"max_tokens": 8, "temperature": 1.0, "seed": 70 + i, "ignore_eos": True}}
+                for kind, n in (("early", 2), ("late", 6)) for i in range(n)]
+        with Client(server.address) as client:
+            early = [_first_token_clock(client, job) for job in jobs[:2]]
+            detected = probe.wait_for(lambda r: not r.workers[0].responsive, 2 * late_after)
+            log.info("worker 0 reported late %.2f s after SIGSTOP (target %.1f s)",
+                     time.monotonic() - stopped_at, late_after)
+            late = [_first_token_clock(client, job) for job in jobs[2:]]
+            late_results = [stream.result() for stream in late]
+            _resume(stopped)
+            stopped = None
+            results = [stream.result() for stream in early] + late_results
+        report = background.result(240)
+    finally:
+        if stopped is not None:
+            _resume(stopped)
+        probe.stop()
+        background.kill()
+    early_ttft = [s.ttft for s in early]
+    late_ttft = [s.ttft for s in late]
+    log.info("first token after SIGSTOP: early requests %s s, late requests %s s (detected after %.2f s)",
+             [f"{t:.2f}" for t in early_ttft], [f"{t:.2f}" for t in late_ttft], detected)
+    assert max(late_ttft) < 2.0, late_ttft
+    assert max(early_ttft) < 2 * late_after + 2.0, early_ttft
+    want = _expected(offline, jobs + lanes[0] + lanes[1])
+    assert [r.token_ids for r in results] == [want[j["id"]] for j in jobs]
+    _assert_exact([report], want)
+
+
+def _resume(pid: int) -> None:
+    """SIGCONT, unless the engine has already killed the worker (a slow runner passed worker_timeout)."""
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        log.info("worker pid %d was gone before SIGCONT (declared lost at worker_timeout)", pid)
+
+
+class _TimedStream(threading.Thread):
+    """One streamed request in a thread: when its first token came, and its whole output."""
+
+    def __init__(self, client: Client, job: dict) -> None:
+        super().__init__(daemon=True)
+        self.client, self.job = client, job
+        self.started = time.monotonic()
+        self.ttft = math.inf
+        self.output = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with self.client.stream(self.job["prompt"], SamplingParams(**self.job["params"]),
+                                    request_id=self.job["id"]) as stream:
+                for delta in stream:
+                    if delta.token_ids and self.ttft == math.inf:
+                        self.ttft = time.monotonic() - self.started
+            self.output = stream.output
+        except BaseException as exc:  # re-raised by result()
+            self.error = exc
+
+    def result(self):
+        self.join(120)
+        if self.error is not None:
+            raise self.error
+        assert self.output is not None, f"{self.job['id']} did not finish"
+        return self.output
+
+
+def _first_token_clock(client: Client, job: dict) -> _TimedStream:
+    stream = _TimedStream(client, job)
+    stream.start()
+    return stream
 
 
 @pytest.mark.timeout(300)
@@ -469,6 +599,34 @@ def test_cli_generate_connect(shared_server):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("token_ids: [")
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_on_generate_exits_130_with_one_line_and_aborts(shared_server, client):
+    """SIGINT (Ctrl-C) while rlt-generate streams: exit status 130, one line on stderr and no
+    traceback; the request is aborted (the server is back at its baseline)."""
+    # As from a terminal: SIGINT raises KeyboardInterrupt even when this test runs with it ignored
+    # (a background job), a disposition the child would otherwise inherit.
+    as_in_a_terminal = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                        "from rlt_engine.cli import main; sys.exit(main())")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", as_in_a_terminal, "generate", "--connect", shared_server.address,
+         "--max-tokens", "400", "--top-k", "20", "--top-p", "0.9", "--stop", "never stop", "Hi"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+    )
+    try:
+        assert proc.stdout is not None
+        proc.stdout.read(1)  # it streams
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = err.decode().strip().splitlines()
+    assert proc.returncode == 130, err.decode()
+    assert len(lines) == 1 and "interrupted" in lines[0] and "Traceback" not in err.decode(), lines
+    wait_baseline(client, 10)
 
 
 

@@ -260,7 +260,7 @@ def closed_loop(engine: Any, jobs: Sequence[Job], concurrency: int, deadline: fl
             state = live.get(out.request_id)
             if state is None:
                 continue
-            n = len(out.token_ids)
+            n = out.num_tokens
             if n > state.tokens:
                 if state.tokens == 0:
                     result.ttft_s.append(now - state.added)
@@ -269,7 +269,7 @@ def closed_loop(engine: Any, jobs: Sequence[Job], concurrency: int, deadline: fl
                 else:
                     first_new = 0
                     result.itl_s.extend([(now - state.last) / (n - state.tokens)] * (n - state.tokens))
-                depths = out.exit_depths[state.tokens : n]
+                depths = out.new_exit_depths
                 result.output_tokens += n - state.tokens
                 result.loops += sum(depths)
                 result.generated_tokens += len(depths) - first_new

@@ -12,8 +12,20 @@ from pathlib import Path
 
 SHIPPED = ("tiny-ouro-py",)
 DEFAULT_MODEL = "tiny-ouro-py"
+# Every model name a worker knows (rlt_worker.models.loader: toy and synthetic models; a test checks they agree).
+BUILT_IN = (*SHIPPED, "toy-ouro", "toy-huginn", "synthetic-ouro-1.4b", "synthetic-ouro-2.6b")
 
 
 def resolve_model(model: str) -> str:
-    """A shipped checkpoint's directory for its name; any other model string unchanged."""
-    return str(Path(__file__).parent / model) if model in SHIPPED else model
+    """A shipped checkpoint's directory for its name; another built-in name or a checkpoint
+    directory unchanged; anything else a ValueError naming every built-in model."""
+    if model in SHIPPED:
+        return str(Path(__file__).parent / model)
+    if model in BUILT_IN:
+        return model
+    if not Path(model).is_dir():
+        raise ValueError(f"model {model!r} is neither a built-in model ({', '.join(BUILT_IN)}) "
+                         "nor a checkpoint directory")
+    if not (Path(model) / "config.json").is_file():
+        raise ValueError(f"model directory {model!r} has no config.json (a Hugging Face checkpoint has one)")
+    return model

@@ -30,12 +30,24 @@ class Executor(ABC):
         """Send a plan to one worker (returns before it runs when the executor is asynchronous)."""
 
     @abstractmethod
-    def collect(self, timeout: float | None = None) -> list[tuple[int, StepResult | WorkerLost]]:
-        """Results and losses that arrived, in arrival order; waits up to `timeout` for the first one."""
+    def collect(self, timeout: float | None = None) -> list[tuple[int, StepResult | WorkerLost | WorkerReady]]:
+        """Results, losses and finished restarts, in arrival order; waits up to `timeout` for the first one.
 
-    def restart(self, worker: int) -> WorkerReady:
-        """Start a replacement for a lost worker (restart_workers=True)."""
+        A `WorkerReady` is a replacement begun by `begin_restart` that is now serving; a
+        `WorkerLost` for a worker being restarted means its replacement failed to start."""
+
+    def begin_restart(self, worker: int) -> None:
+        """Start a replacement for a lost worker (restart_workers=True) without waiting for it."""
         raise NotImplementedError(f"{type(self).__name__} cannot restart workers")
+
+    @property
+    def has_events(self) -> bool:
+        """Whether `silence()` has read events (results, losses) that collect() will return at once."""
+        return False
+
+    def silence(self) -> dict[int, float]:
+        """Seconds since each running worker was last heard from (reads what has arrived first)."""
+        return {}
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -25,7 +25,7 @@ class InprocExecutor(Executor):
         self._worker: Worker | None = Worker(self._hello)
         self._worker_codec = worker_side_codec()  # the worker's end: decodes plans
         self._engine_codec = engine_worker_codec()  # the engine's end: decodes results
-        self._done: list[tuple[int, StepResult]] = []
+        self._done: list[tuple[int, StepResult | WorkerReady]] = []
 
     def _cross(self, message: WorkerReady | StepResult) -> WorkerReady | StepResult:
         return self._engine_codec.decode(self._worker_codec.encode(message))
@@ -34,22 +34,22 @@ class InprocExecutor(Executor):
         assert self._worker is not None
         return [self._cross(self._worker.start())]
 
-    def restart(self, worker: int) -> WorkerReady:
-        """A fresh Worker (empty slot table and pool) in place of the old one."""
+    def begin_restart(self, worker: int) -> None:
+        """A fresh Worker (empty slot table and pool) in place of the old one; ready at the next collect."""
         from rlt_worker.worker import Worker
 
         assert worker == 0
         if self._worker is not None:
             self._worker.close()
         self._worker = Worker(self._hello)
-        return self.start()[0]
+        self._done.append((0, self.start()[0]))
 
     def submit(self, worker: int, plan: ExecutionPlan) -> None:
         assert self._worker is not None and worker == 0
         received = self._worker_codec.decode(self._engine_codec.encode(plan))
         self._done.append((0, self._cross(self._worker.execute(received))))
 
-    def collect(self, timeout: float | None = None) -> list[tuple[int, StepResult | WorkerLost]]:
+    def collect(self, timeout: float | None = None) -> list[tuple[int, StepResult | WorkerLost | WorkerReady]]:
         done, self._done = self._done, []
         return done
 

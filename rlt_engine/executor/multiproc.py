@@ -95,6 +95,7 @@ class MultiprocExecutor(Executor):
         self._owners: dict[object, WorkerHandle] = {}  # poller item (socket or pidfd) → its worker
         self._poller = zmq.Poller()
         self._polled_at = time.monotonic()
+        self._stash: list[tuple[int, StepResult | WorkerLost | WorkerReady]] = []  # read by silence()
         self._incarnation = 0
         self._dir: str | None = None
         self._ctx: zmq.Context | None = None
@@ -170,7 +171,7 @@ class MultiprocExecutor(Executor):
         assert self._ctx is not None
         return bind_socket(self._ctx, kind, address, self._server_secret if curve else None)
 
-    def _launch(self, index: int) -> WorkerHandle:
+    def _launch(self, index: int, replacement: bool = False) -> WorkerHandle:
         self._incarnation += 1
         if index >= self._num_local:
             assert self._remote is not None
@@ -181,10 +182,10 @@ class MultiprocExecutor(Executor):
         self._handles[index] = handle
         self._all_handles.append(handle)
         if index < self._num_local:
-            self._spawn(handle, handle.socket.getsockopt_string(zmq.LAST_ENDPOINT))
+            self._spawn(handle, handle.socket.getsockopt_string(zmq.LAST_ENDPOINT), replacement)
         return handle
 
-    def _spawn(self, handle: WorkerHandle, address: str) -> None:
+    def _spawn(self, handle: WorkerHandle, address: str, replacement: bool) -> None:
         if threading.current_thread() is not threading.main_thread():
             # PR_SET_PDEATHSIG fires when the spawning *thread* exits, not the process.
             log.warning("spawning worker %d from a non-main thread: its parent-death signal follows that thread",
@@ -192,7 +193,7 @@ class MultiprocExecutor(Executor):
         cmd = [
             sys.executable, "-m", "rlt_worker.worker_process", "--connect", address, "--index", str(handle.index),
             "--parent-pid", str(os.getpid()), "--heartbeat", f"ipc://{self._dir}/heartbeat.sock",
-        ]
+        ] + (["--replacement"] if replacement else [])
         env = dict(os.environ)
         if self._configs[handle.index].device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = visible_device(handle.index)
@@ -291,39 +292,73 @@ class MultiprocExecutor(Executor):
         except zmq.Again:  # no peer: the worker is going away, and collect() will say so
             log.warning("worker %d is disconnected; plan %d dropped", worker, plan.step_id)
 
-    def collect(self, timeout: float | None = None) -> list[tuple[int, StepResult | WorkerLost]]:
-        """Results and losses in arrival order; waits up to `timeout` (None: forever) for the first."""
-        out: list[tuple[int, StepResult | WorkerLost]] = []
+    def collect(self, timeout: float | None = None) -> list[tuple[int, StepResult | WorkerLost | WorkerReady]]:
+        """Results, losses and finished restarts in arrival order; waits up to `timeout` (None:
+        forever) for the first. A replacement's handshake advances here, never blocking the caller."""
+        out, self._stash = self._stash, []
         end = None if timeout is None else time.monotonic() + max(0.0, timeout)
         while True:
             live = [h for h in self._handles if h is not None and h.alive]
             if not live:
                 return out
             now = time.monotonic()
-            wait = min(h.last_heard for h in live) + self.config.worker_timeout - now  # next silence verdict
+            wait = min(self._verdict_at(h) for h in live) - now  # next silence (or startup) verdict
             if end is not None:
                 wait = min(wait, end - now)
-            self._poll(max(0.0, wait), out)
+            self._poll(0.0 if out else max(0.0, wait), out)
             self._reap_silent(out)
             if out or (end is not None and time.monotonic() >= end):
                 return out
+
+    @property
+    def has_events(self) -> bool:
+        return bool(self._stash)
+
+    def silence(self) -> dict[int, float]:
+        """Seconds since each serving worker was last heard from, after reading what has arrived
+        (kept for the next collect())."""
+        self._poll(0.0, self._stash)
+        self._reap_silent(self._stash)
+        now = time.monotonic()
+        return {h.index: now - h.last_heard for h in self._handles if h is not None and h.alive and not h.starting}
+
+    def _verdict_at(self, handle: WorkerHandle) -> float:
+        return handle.ready_by if handle.starting else handle.last_heard + self.config.worker_timeout
 
     def _poll(self, wait_s: float, out: list) -> None:
         watched_since = self._polled_at
         events = self._poller.poll(wait_s * 1000)
         self._polled_at = time.monotonic()
         deaths = []
-        for item, _ in events:
+        for item, flags in events:
             handle = self._owners.get(item)
             if handle is None:
                 continue
             if isinstance(item, int):
                 deaths.append(handle)
+            elif handle.starting:
+                self._advance_startup(handle, flags, out)
             else:
                 self._drain(handle, out)
         for handle in deaths:
             # It died after the previous poll returned (or that poll would have seen it).
-            self._lose(handle, "", out, window=self._polled_at - watched_since)
+            if handle.alive:
+                self._lose(handle, "", out, window=self._polled_at - watched_since)
+
+    def _advance_startup(self, handle: WorkerHandle, flags: int, out: list) -> None:
+        """A replacement's handshake, one event at a time: hello once it connects, then its WorkerReady."""
+        if flags & zmq.POLLOUT and not handle.hello_sent:
+            handle.socket.send(handle.codec.encode(self._hello(handle.index)))
+            handle.hello_sent = True
+            self._poller.modify(handle.socket, zmq.POLLIN)
+        elif flags & zmq.POLLIN:
+            try:
+                ready = self._read_ready(handle)
+            except WorkerStartupError as exc:
+                self._lose(handle, f"replacement refused: {exc}", out, kill=True)
+                return
+            handle.starting = False
+            out.append((handle.index, ready))
 
     def _drain(self, handle: WorkerHandle, out: list) -> None:
         # Read while EVENTS says a frame is queued: cheaper than ending on a zmq.Again.
@@ -343,7 +378,13 @@ class MultiprocExecutor(Executor):
     def _reap_silent(self, out: list) -> None:
         now = time.monotonic()
         for handle in self._handles:
-            if handle is not None and handle.alive and now - handle.last_heard > self.config.worker_timeout:
+            if handle is None or not handle.alive:
+                continue
+            if handle.starting:
+                if now > handle.ready_by:
+                    why = f"the replacement sent no WorkerReady within {self._startup_timeout:.1f} s"
+                    self._lose(handle, why, out, kill=True)
+            elif now - handle.last_heard > self.config.worker_timeout:
                 silent = now - handle.last_heard
                 self._lose(handle, f"silent for {silent:.1f} s (worker_timeout)", out, kill=True)
 
@@ -366,23 +407,19 @@ class MultiprocExecutor(Executor):
                   handle.index, reason, detected, silent, handle.log_tail(5))
         out.append((handle.index, WorkerLost(handle.index, reason)))
 
-    def restart(self, worker: int) -> WorkerReady:
-        """Spawn (or, remote, await) a replacement with the same index and handshake with it."""
+    def begin_restart(self, worker: int) -> None:
+        """Spawn (or, remote, await) a replacement with the same index; its handshake runs inside
+        collect(), which returns its WorkerReady (or a WorkerLost if it fails to start)."""
         old = self._handles[worker]
         if old is not None and old.alive:
             self._lose(old, "replaced by restart", [], kill=True)
-        handle = self._launch(worker)
-        try:
-            ready = self._handshake([handle])[0]
-        except BaseException:
-            handle.alive = False
-            if handle.process is not None:
-                kill_tree(handle.process)
-                handle.process.wait()
-            handle.close()
-            raise
-        self._watch(handle)
-        return ready
+        handle = self._launch(worker, replacement=True)
+        handle.starting, handle.ready_by = True, time.monotonic() + self._startup_timeout
+        self._poller.register(handle.socket, zmq.POLLOUT)  # writable = the replacement has connected
+        self._owners[handle.socket] = handle
+        if handle.pidfd is not None:
+            self._poller.register(handle.pidfd, zmq.POLLIN)
+            self._owners[handle.pidfd] = handle
 
     def alive_workers(self) -> list[int]:
         """Indices of the workers that are running (for health reports)."""

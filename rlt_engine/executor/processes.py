@@ -65,6 +65,8 @@ class WorkerHandle:
     last_heard: float = field(default_factory=time.monotonic)
     hello_sent: bool = False
     alive: bool = True
+    starting: bool = False  # a replacement whose handshake runs inside collect()
+    ready_by: float = 0.0  # starting: the deadline of its WorkerReady
 
     def log_tail(self, lines: int = 15) -> str:
         """The end of the worker's stderr, for error messages."""

@@ -8,6 +8,7 @@ drains), GET /metrics (Prometheus). Every error is OpenAI-style JSON.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -35,12 +36,15 @@ from rlt_engine.http_api.schemas import (
     CompletionRequest,
     Prompt,
     StreamOptions,
+    check_int64,
+    check_text,
     validation_message,
 )
 from rlt_engine.tokenizer import load_tokenizer
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # the IPC frame limit: a larger body could never be sent on
 HEALTH_TIMEOUT_S = 1.0
+log = logging.getLogger("rlt.http")
 T = TypeVar("T")
 
 
@@ -95,7 +99,9 @@ class Server:
     def token_ids(self, prompt: Prompt) -> list[int]:
         """A prompt as token ids (text is tokenized here, so that usage counts it)."""
         if isinstance(prompt, list):
+            check_int64("prompt", prompt)
             return prompt
+        check_text("prompt", prompt)
         try:
             return self.tokenizer.encode(prompt)
         except ValueError as exc:
@@ -208,6 +214,11 @@ def build_app(settings: HttpSettings) -> FastAPI:
         message, param = validation_message(exc)
         return error_response(APIError(400, message, param=param))
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return error_response(APIError(500, f"{type(exc).__name__}: {exc}", kind="internal_error", code="internal"))
+
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
@@ -253,6 +264,8 @@ def build_app(settings: HttpSettings) -> FastAPI:
                            "chat_template); use /v1/completions with a prompt instead", code="no_chat_template")
         params = body.params()
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
+        for message in messages:
+            check_text("messages", message["content"])
         try:
             text = template.render(messages, body.add_generation_prompt, **(body.chat_template_kwargs or {}))
         except ChatTemplateError as exc:

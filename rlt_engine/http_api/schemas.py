@@ -49,6 +49,26 @@ def engine_error(code: str, message: str) -> APIError:
     return APIError(status, message, kind=kind, code=code, headers=headers)
 
 
+# Integers cross the IPC boundary as msgpack ints: anything outside int64 could never be sent.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def check_int64(name: str, value: int | list[int] | None) -> None:
+    """APIError(400) naming `name` when an integer (or any in a list) does not fit in 64 bits."""
+    values = value if isinstance(value, list) else [value]
+    if any(v is not None and not INT64_MIN <= v <= INT64_MAX for v in values):
+        raise APIError(400, f"{name} is out of range (a 64-bit integer)", param=name)
+
+
+def check_text(name: str, text: str) -> None:
+    """APIError(400) naming `name` when `text` is not valid Unicode (a lone surrogate such as \\udc80)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(400, f"{name} is not valid UTF-8 text: a lone surrogate at index {exc.start}",
+                       param=name) from None
+
+
 def validation_message(exc: ValidationError | Any) -> tuple[str, str | None]:
     """A one-line message and the offending parameter for a pydantic validation error."""
     errors = exc.errors()
@@ -122,6 +142,11 @@ class _GenerationFields(BaseModel):
     def sampling_params(self, max_tokens: int, logprobs: bool) -> SamplingParams:
         """The SamplingParams this request asks for; APIError(400) when they are invalid."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        for text in stop:
+            check_text("stop", text)
+        for name in ("top_k", "min_loops", "max_loops", "priority", "stop_token_ids"):
+            check_int64(name, getattr(self, name))
+        check_int64("max_tokens", max_tokens)
         fields: dict[str, Any] = {
             "max_tokens": max_tokens, "stop": stop, "ignore_eos": self.ignore_eos, "logprobs": int(logprobs),
             "priority": self.priority, "stop_token_ids": list(self.stop_token_ids or []), "seed": self.seed,

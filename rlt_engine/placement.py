@@ -1,0 +1,70 @@
+"""Placement decisions: which waiting request goes next, onto which worker, with how many
+positions of KV, and which running request a higher-priority arrival may displace.
+
+Pure decisions over the scheduler's books (it reads, never writes); the scheduler acts on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from rlt_engine.preemption import RecomputePreemption
+from rlt_engine.request import Phase, Request
+from rlt_engine.worker_book import WorkerBook
+
+
+class Placement:
+    """FCFS or priority order; the worker with the most free KV (ties: fewest running)."""
+
+    def __init__(self, books: list[WorkerBook], preemption: RecomputePreemption, *, priority: bool,
+                 max_bypasses: int, max_num_seqs: int, on_demand_kv: bool) -> None:
+        self.books, self.preemption = books, preemption
+        self.priority, self.max_bypasses = priority, max_bypasses
+        self.max_num_seqs, self.on_demand_kv = max_num_seqs, on_demand_kv
+
+    def next_waiting(self, waiting: Iterable[Request]) -> Request:
+        """FCFS: the head. Priority: a request bypassed max_bypasses times, else the lowest number."""
+        waiting = list(waiting)
+        if not self.priority:
+            return waiting[0]
+        starved = [r for r in waiting if r.num_bypasses >= self.max_bypasses]
+        if starved:
+            return min(starved, key=lambda r: r.arrival)
+        return min(waiting, key=lambda r: (r.params.priority, r.arrival))
+
+    def initial_positions(self, request: Request) -> int:
+        """Positions its first allocation covers: a swap copy's, the whole request's (reserve), or
+        the prompt plus one block (on_demand)."""
+        home = self.preemption.home(self.books, request)
+        if home is not None:
+            return home.swap.copies[request.key].num_positions
+        if not self.on_demand_kv:
+            return request.max_positions
+        return min(request.max_positions, request.prompt_len + self.books[0].kv.block_size)
+
+    def worker_for(self, request: Request) -> WorkerBook | None:
+        """The book to place `request` on now, or None: responsive workers only (a late one only
+        when every worker is late); a swapped request only on its copy's worker, after the export."""
+        home = self.preemption.home(self.books, request)
+        if home is not None and not home.swap.can_import(request.key, home.kv.completed_step):
+            return None
+        positions = self.initial_positions(request)
+        any_responsive = any(b.alive and b.responsive for b in self.books)
+        candidates = [
+            b for b in self.books
+            if b.alive and (b.responsive or not any_responsive) and not b.short_of_blocks
+            and home in (None, b) and b.num_slots_held < self.max_num_seqs and b.kv.can_allocate(positions)
+        ]
+        if not candidates:
+            return None
+        return max(candidates, key=lambda b: (b.kv.num_free_blocks, -len(b.running)))
+
+    def priority_victim(self, request: Request) -> Request | None:
+        """The running request of strictly lower priority to preempt for `request` (most blocks first)."""
+        victims = [
+            r for b in self.books if b.alive
+            for r in b.running if r.params.priority > request.params.priority and r.phase != Phase.LAST_CODA
+        ]
+        if not victims:
+            return None
+        return max(victims, key=lambda r: (r.params.priority, r.allocation.num_blocks if r.allocation else 0))
