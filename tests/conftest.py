@@ -13,3 +13,9 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the compiled Triton kernels, whatever the caller's environment says (TRITON_INTERPRET)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)

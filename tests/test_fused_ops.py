@@ -18,15 +18,12 @@ composition, and float32 within the CPU bounds.
 from __future__ import annotations
 
 import functools
-import json
-import os
 import random
-import subprocess
 import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+import interp
 import pytest
 import torch
 import torch.nn.functional as F
@@ -171,30 +168,10 @@ INTERP_CASES: dict[str, Callable[[], None]] = {
 }
 
 
-def _run_interp_cases() -> dict[str, str]:
-    """Child process body: every case's verdict, "ok" or its traceback."""
-    verdicts = {}
-    for name, case in INTERP_CASES.items():
-        try:
-            case()
-            verdicts[name] = "ok"
-        except Exception:  # report, don't stop: each case is its own test in the parent
-            verdicts[name] = traceback.format_exc()
-    return verdicts
-
-
 @pytest.fixture(scope="module")
 def interp_verdicts() -> dict[str, str]:
     """Run all interpreter cases once in a child with TRITON_INTERPRET=1."""
-    root = Path(__file__).resolve().parents[1]
-    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--interp-cases"],
-        env=env, cwd=root, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, f"interpreter child failed:\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interp.verdicts(__file__)
 
 
 @pytest.mark.parametrize("case", list(INTERP_CASES))
@@ -226,8 +203,7 @@ def test_huginn_keeps_its_torch_modules() -> None:
 # ---- GPU, compiled: Ouro-1.4B widths -----------------------------------------------------------
 
 gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or tb._interpreting(),
-                                reason="needs CUDA and TRITON_INTERPRET unset")
+needs_cuda = interp.needs_cuda
 # bf16: one ulp relative (2^-7 of the value); atol for the rare cancellation x ≈ −w·norm(h), where one ulp
 # of the addend is many of the sum. float32: the CPU bounds.
 BF16 = dict(rtol=2.0**-7, atol=1e-2)
@@ -245,5 +221,5 @@ def test_gpu_kernels_at_ouro_widths(dtype: torch.dtype, rows: int) -> None:
     check_swiglu(dtype, 5632, device="cuda", tol=tol)
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--interp-cases"]:
-    print(json.dumps(_run_interp_cases()))
+if __name__ == "__main__":
+    interp.main(INTERP_CASES)

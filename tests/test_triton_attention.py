@@ -1,21 +1,16 @@
 """Triton paged attention and KV writes against torch_ref (SPEC §4, §7a).
 
 On the CPU the kernels run in Triton's interpreter, in a child process started with
-TRITON_INTERPRET=1 (see _run_interp_cases). Tests marked gpu run
+TRITON_INTERPRET=1 (tests/interp.py). Tests marked gpu run
 the compiled kernels at Ouro-1.4B shapes against torch_ref on the same CUDA tensors.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import os
-import subprocess
-import sys
-import traceback
 from collections.abc import Callable
-from pathlib import Path
 
+import interp
 import pytest
 import torch
 
@@ -25,16 +20,7 @@ from rlt_worker.attention import triton_backend as tb
 pytestmark = pytest.mark.skipif(tb.triton is None, reason="Triton is not installed")
 
 gpu = pytest.mark.gpu
-# A process that imported Triton in interpreter mode cannot run compiled kernels.
-needs_cuda = pytest.mark.skipif(
-    not torch.cuda.is_available() or tb._interpreting(), reason="needs CUDA and TRITON_INTERPRET unset"
-)
-
-
-@pytest.fixture
-def compiled(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run the compiled kernels, whatever the caller's environment says."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+needs_cuda = interp.needs_cuda
 
 
 def make_batch(
@@ -257,43 +243,20 @@ WIDE_CASES: dict[str, Callable[[], None]] = {
 }
 
 
-def _interp_child(*args: str) -> subprocess.CompletedProcess[str]:
-    """This file run as a child with TRITON_INTERPRET=1 (see the note above _interp_attention)."""
-    root = Path(__file__).resolve().parents[1]
-    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    return subprocess.run([sys.executable, str(Path(__file__).resolve()), *args],
-                          env=env, cwd=root, capture_output=True, text=True, timeout=240)
-
-
 @pytest.mark.parametrize("case", list(WIDE_CASES))
 def test_interpreter_offsets_past_2_31(case: str) -> None:
     """Each WIDE_CASES case passes in a child of its own (a wrapped offset may crash it)."""
-    proc = _interp_child("--wide-case", case)
+    proc = interp.child(__file__, "--case", case, timeout=240)
     assert proc.returncode == 0, (
         f"{case}: the child ended with {proc.returncode} (a negative code is a signal: a 32-bit offset "
         f"wrapped and the kernel addressed memory outside the pool)\n{proc.stdout}\n{proc.stderr}"
     )
 
 
-def _run_interp_cases() -> dict[str, str]:
-    """Child process body: every case's verdict, "ok" or its traceback."""
-    verdicts = {}
-    for name, case in INTERP_CASES.items():
-        try:
-            case()
-            verdicts[name] = "ok"
-        except Exception:  # report, don't stop: each case is its own test in the parent
-            verdicts[name] = traceback.format_exc()
-    return verdicts
-
-
 @pytest.fixture(scope="module")
 def interp_verdicts() -> dict[str, str]:
     """Run all interpreter cases once in a child with TRITON_INTERPRET=1."""
-    proc = _interp_child("--interp-cases")
-    assert proc.returncode == 0, f"interpreter child failed:\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interp.verdicts(__file__)
 
 
 @pytest.mark.parametrize("case", list(INTERP_CASES))
@@ -415,7 +378,5 @@ def test_gpu_finalize_kv(compiled: None) -> None:
     assert torch.equal(pool, want)
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--interp-cases"]:
-    print(json.dumps(_run_interp_cases()))
-if __name__ == "__main__" and sys.argv[1:2] == ["--wide-case"]:
-    WIDE_CASES[sys.argv[2]]()
+if __name__ == "__main__":
+    interp.main(INTERP_CASES, WIDE_CASES)

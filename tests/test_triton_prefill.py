@@ -11,14 +11,13 @@ Huginn shapes.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import traceback
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+import interp
 import pytest
 import torch
 
@@ -29,15 +28,7 @@ from rlt_worker.attention import triton_prefill as tp
 pytestmark = pytest.mark.skipif(tb.triton is None, reason="Triton is not installed")
 
 gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(
-    not torch.cuda.is_available() or tb._interpreting(), reason="needs CUDA and TRITON_INTERPRET unset"
-)
-
-
-@pytest.fixture
-def compiled(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run the compiled kernels, whatever the caller's environment says."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+needs_cuda = interp.needs_cuda
 
 
 def make_chunks(
@@ -248,30 +239,10 @@ INTERP_CASES: dict[str, Callable[[], None]] = {
 } | {"float64": _interp_float64, "engine-triton-equals-torch": _interp_engine}
 
 
-def _run_interp_cases() -> dict[str, str]:
-    """Child process body: every case's verdict, "ok" or its traceback."""
-    verdicts = {}
-    for name, case in INTERP_CASES.items():
-        try:
-            case()
-            verdicts[name] = "ok"
-        except Exception:  # report, don't stop: each case is its own test in the parent
-            verdicts[name] = traceback.format_exc()
-    return verdicts
-
-
 @pytest.fixture(scope="module")
 def interp_verdicts() -> dict[str, str]:
-    """Run all interpreter cases once in a child with TRITON_INTERPRET=1 (set before Triton's import)."""
-    root = Path(__file__).resolve().parents[1]
-    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--interp-cases"],
-        env=env, cwd=root, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, f"interpreter child failed:\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """Run all interpreter cases once in a child with TRITON_INTERPRET=1."""
+    return interp.verdicts(__file__)
 
 
 @pytest.mark.parametrize("case", list(INTERP_CASES))
@@ -400,5 +371,5 @@ def test_gpu_toy_chunked_prefill_matches_cpu_reference(model: str, mode: str, mo
                                 prefill_chunk_size=6)
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--interp-cases"]:
-    print(json.dumps(_run_interp_cases()))
+if __name__ == "__main__":
+    interp.main(INTERP_CASES)

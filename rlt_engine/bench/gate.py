@@ -19,7 +19,7 @@ teacher forcing the reference's tokens (`forced_tokens`); in one row it equals t
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,9 +154,7 @@ def check(llm: Any, reference: Reference, dtype: str = GATE_DTYPE, tolerance: fl
     """Run the jobs on `llm` (built in `dtype`) and judge its outputs against the reference."""
     result = GateResult(requests=len(reference.jobs), dtype=dtype)
     tolerance = TOLERANCE_NATS[dtype] if tolerance is None else tolerance
-    outputs = _generate(llm, reference.jobs)
-    for i, (job, got, want) in enumerate(zip(reference.jobs, outputs, reference.outputs, strict=True)):
-        parted = _first_divergence(llm, job, got, want)
+    for i, got, want, parted in _compare(llm, reference):
         if parted is None:
             result.equal += 1
         elif isinstance(parted, str):
@@ -175,9 +173,7 @@ def check(llm: Any, reference: Reference, dtype: str = GATE_DTYPE, tolerance: fl
 def divergence(llm: Any, reference: Reference, dtype: str) -> Divergence:
     """Run the jobs on `llm` (built in `dtype`) and report where each request first parts from the reference."""
     report = Divergence(requests=len(reference.jobs), dtype=dtype)
-    outputs = _generate(llm, reference.jobs)
-    for i, (job, got, want) in enumerate(zip(reference.jobs, outputs, reference.outputs, strict=True)):
-        parted = _first_divergence(llm, job, got, want)
+    for i, got, want, parted in _compare(llm, reference):
         if parted is None:
             report.equal += 1
         elif isinstance(parted, str):
@@ -189,6 +185,13 @@ def divergence(llm: Any, reference: Reference, dtype: str) -> Divergence:
             report.first.append({"request": i, "index": index, "gap_nats": gap, "top_logit": top,
                                  "gap_ulps": gap / ulp(top, dtype)})
     return report
+
+
+def _compare(llm: Any, reference: Reference) -> Iterator[tuple[int, Any, Any, tuple[int, float] | str | None]]:
+    """(request, its output on `llm`, the reference's, where they part) for every gate job."""
+    outputs = _generate(llm, reference.jobs)
+    for i, (job, got, want) in enumerate(zip(reference.jobs, outputs, reference.outputs, strict=True)):
+        yield i, got, want, _first_divergence(llm, job, got, want)
 
 
 def ulp(x: float, dtype: str) -> float:
