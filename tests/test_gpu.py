@@ -296,8 +296,12 @@ _references: dict[tuple[str, str, str], gate.Reference] = {}
 
 @pytest.fixture
 def two_layer_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Register TWO_LAYERS for in-process (workers=0) engines."""
+    """Register TWO_LAYERS for in-process (workers=0) engines: with the worker's synthetic models,
+    and with the engine's list of built-in names, which it checks before any worker starts."""
+    from rlt_engine import checkpoints
     from rlt_worker.models import synthetic
+
+    monkeypatch.setattr(checkpoints, "BUILT_IN", (*checkpoints.BUILT_IN, TWO_LAYERS))
 
     monkeypatch.setitem(synthetic.SYNTHETIC_MODELS, TWO_LAYERS,
                         {**synthetic.SYNTHETIC_MODELS["synthetic-ouro-1.4b"], "num_hidden_layers": 2})
