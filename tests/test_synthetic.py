@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
+from factories import assert_matches_reference, make_llm, make_workload, run_workload
 
+from rlt_engine.bench.throughput import KL_THRESHOLD, LATENT_THRESHOLD
 from rlt_worker.models.config import HuginnConfig, OuroConfig
 from rlt_worker.models.loader import build_model, load_model
 from rlt_worker.models.ouro import OuroModel
@@ -119,3 +122,32 @@ def test_huginn_seeded_and_scaled() -> None:
     assert sd["transformer.core_block.0.mlp.proj.weight"].std() == pytest.approx(640**-0.5, rel=0.05)
     assert sd["transformer.coda.0.attn.qk_bias"].std() == pytest.approx(0.1, rel=0.2)
 
+
+SMALL_HUGINN = "synthetic-huginn-3.5b-width-192"
+
+
+@pytest.fixture
+def small_huginn_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Register SMALL_HUGINN (small_huginn()) for in-process engines and the dense reference."""
+    from rlt_worker.models import synthetic
+
+    monkeypatch.setitem(synthetic.SYNTHETIC_MODELS, SMALL_HUGINN, small_huginn())
+
+
+@pytest.mark.parametrize("exit_mode,state_init,kv_layout", [("kl", "random", "last_exited"),
+                                                             ("latent_diff", "zero", "shared")])
+def test_small_huginn_engine_equals_reference(
+    small_huginn_model: None, single_thread: None, exit_mode: str, state_init: str, kv_layout: str
+) -> None:
+    """Huginn's blocks, 32 loops, heads of 96 and the synthetic scale at width 192, in float64: the engine
+    (refill, rows of several requests at mixed depths) equals the dense reference in tokens and exit
+    depths, and the bench's default thresholds exit at several depths below 32."""
+    threshold = {"kl": KL_THRESHOLD, "latent_diff": LATENT_THRESHOLD}[exit_mode]
+    jobs = make_workload(random.Random(f"small-huginn-{exit_mode}"), 4, depth=32, exit_mode=exit_mode,
+                         threshold=threshold, max_prompt_len=8, max_tokens=5)
+    with make_llm(SMALL_HUGINN, exit_mode=exit_mode, state_init=state_init, kv_layout=kv_layout,
+                  max_num_seqs=4) as llm:
+        run = run_workload(llm, jobs)
+        assert_matches_reference(run, SMALL_HUGINN, kv_layout=kv_layout, exit_mode=exit_mode, state_init=state_init)
+    depths = {d for life in run.lives for d in life.final.exit_depths[1:]}
+    assert len(depths) >= 2 and max(depths) < 32, depths
