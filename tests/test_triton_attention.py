@@ -195,7 +195,11 @@ INTERP_CASES: dict[str, Callable[[], None]] = {
         ("gqa-split3", (4, 2, 32, 16, 2, [33, 2]), {"num_splits": 3, "tile": 16}),
     ]
     for strided in (False, True)
-} | {"float64": _interp_float64, "write_kv": _interp_write_kv, "finalize_kv": _interp_finalize_kv}
+} | {
+    # Huginn's 55 heads (odd) × 96 (padded to 128), contiguous only: 55 heads make the interpreter slow
+    "huginn-55h-d96": functools.partial(_interp_attention, 55, 55, 96, 16, 2, [18], False),
+    "float64": _interp_float64, "write_kv": _interp_write_kv, "finalize_kv": _interp_finalize_kv,
+}
 
 
 # ---- CPU, interpreter: offsets past 2^31 elements ----------------------------------------------
