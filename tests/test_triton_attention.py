@@ -357,6 +357,18 @@ def test_gpu_ouro_shapes(
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype,atol,rtol", [(torch.bfloat16, 2e-2, 2e-2), (torch.float32, 2e-5, 2e-5)])
+@pytest.mark.parametrize("strided", [False, True], ids=["contig-pool", "strided-pool"])
+def test_gpu_huginn_shapes(compiled: None, dtype: torch.dtype, atol: float, rtol: float, strided: bool) -> None:
+    """Huginn-0125's 55 heads × 96 (padded to 128) over 2 depth planes, single and split."""
+    batch = make_batch(num_heads=55, num_kv_heads=55, head_dim=96, block_size=16, planes=2,
+                       seq_lens=ouro_lens(64, seed=55), dtype=dtype, device="cuda", strided_pool=strided)
+    check(batch, atol=atol, rtol=rtol)
+    check(batch, atol=atol, rtol=rtol, num_splits=4)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype,atol,rtol", [(torch.bfloat16, 2e-2, 2e-2), (torch.float32, 2e-5, 2e-5)])
 def test_gpu_gqa(compiled: None, dtype: torch.dtype, atol: float, rtol: float) -> None:
     """GQA (group 4, padded to the 16-row dot) and a shared plane at real head_dim."""
     batch = make_batch(
