@@ -29,8 +29,8 @@ def _opt(default: object, help_text: str) -> Any:
 class EngineConfig:
     """Every `LLM(...)` option; CLI flags are the same names with dashes."""
 
-    model: str = _opt(DEFAULT_MODEL, "tiny-ouro-py (shipped, trained), toy-ouro, toy-huginn, "
-                      "synthetic-ouro-1.4b, synthetic-ouro-2.6b, or a Hugging Face checkpoint directory")
+    model: str = _opt(DEFAULT_MODEL, "tiny-ouro-py (shipped, trained), toy-ouro, toy-huginn, synthetic-ouro-1.4b, "
+                      "synthetic-ouro-2.6b, synthetic-huginn-3.5b, or a Hugging Face checkpoint directory")
     workers: int = _opt(1, "worker processes, one per device (0: run the model in the engine process)")
     device: str | None = _opt(None, "cuda or cpu (default: cuda when a GPU is visible)")
     dtype: str | None = _opt(None, "float32, bfloat16, float16 or float64 (default: bfloat16 on cuda, float32 on cpu)")

@@ -4,13 +4,26 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from rlt_engine.bench.throughput import Workload, depth_weights, make_jobs, token_bytes
+from rlt_engine.bench.throughput import (
+    KL_THRESHOLD,
+    Workload,
+    codas_per_token,
+    depth_weights,
+    make_jobs,
+    parse_args,
+    token_bytes,
+)
 from rlt_engine.cli import main
+from rlt_worker.models.config import load_config
+from rlt_worker.models.loader import build_model
 from rlt_worker.models.synthetic import synthetic_config
 
 
@@ -88,13 +101,72 @@ def test_trace_mix_and_bytes() -> None:
     short = Workload(8, "trace", 4, 2.5)
     assert make_jobs(3, 4, 1000, short, seed=1) == make_jobs(3, 4, 1000, short, seed=1)
     assert [len(j.prompt) for j in make_jobs(3, [5, 1, 9], 1000, short, seed=1)] == [5, 1, 9]
-    (ouro,) = make_jobs(1, 4, 1000, Workload(8, "ouro", 4, ouro_threshold=0.6), seed=1)
+    (ouro,) = make_jobs(1, 4, 1000, Workload(8, "ouro", 4, threshold=0.6), seed=1)
     assert ouro.params.exit_threshold == 0.6 and ouro.params.exit_depths is None
+    # D = 32 and no --trace-mean: uniform over 1 … 32.
+    deep = [d for j in make_jobs(64, 4, 1000, Workload(128, "trace", 32), seed=1) for d in j.params.exit_depths[1:]]
+    assert set(deep) == set(range(1, 33)) and sum(deep) / len(deep) == pytest.approx(16.5, abs=0.3)
     # Ouro-1.4B in bf16: 2.47 GB per loop (24 layers), a 201 MB head, 196,608 B of K/V per position and loop.
     tb = token_bytes(synthetic_config("synthetic-ouro-1.4b"), 2)
     assert tb.loop_weights == 2 * (24 * (4 * 2048 * 2048 + 3 * 2048 * 5632 + 4 * 2048) + 2048)
-    assert tb.head == 2 * 49152 * 2048
+    assert tb.coda_weights == 2 * 49152 * 2048
     assert tb.kv_per_position_loop == 24 * 2 * 16 * 128 * 2
+    assert tb.prelude_weights == tb.kv_per_position_prelude == tb.kv_per_position_coda == 0
+
+
+def test_huginn_bytes() -> None:
+    """Huginn-0125 (SPEC §9) in bf16: the core blocks and adapter once per loop; the prelude once per
+    token; ln_f, the coda blocks and the tied head once per CODA; K/V of 4 loop layers per loop, of
+    the 2 prelude layers per token and of the 2 coda layers per CODA. Every weight is counted once."""
+    cfg = synthetic_config("synthetic-huginn-3.5b")
+    tb = token_bytes(cfg, 2)
+    h, inter = 5280, 17920
+    block = 3 * h * h + 2 * 55 * 96 + h * h + 2 * inter * h + inter * h + 4 * h
+    assert tb.loop_weights == 2 * (4 * block + h * 2 * h)
+    assert tb.prelude_weights == 2 * 2 * block
+    assert tb.coda_weights == 2 * (2 * block + h + 65536 * h)
+    assert tb.kv_per_position_loop == 2 * 4 * 2 * 55 * 96
+    assert tb.kv_per_position_prelude == tb.kv_per_position_coda == 2 * 2 * 2 * 55 * 96
+    params = sum(t.numel() for t in build_model(load_config(cfg)).state_dict().values())
+    assert tb.prelude_weights + tb.loop_weights + tb.coda_weights == 2 * params  # the tied head is wte
+    # Fixed 32 loops at a mean context of 576: 110.25 GB per token, 3.27 GB of it per loop.
+    assert tb.per_token(32, 576) == pytest.approx(110.25e9, rel=1e-3)
+    # kl runs the coda after every loop and once more to sample: 15 loops cost 88.2 GB.
+    assert codas_per_token("kl", 15) == 16 and codas_per_token("latent_diff", 15) == 1
+    assert tb.per_token(15, 576, codas_per_token("kl", 15)) == pytest.approx(88.2e9, rel=1e-3)
+
+
+def test_family_defaults() -> None:
+    """Flags left unset take the model family's grid: Ouro's, or Huginn's (512-token prompts, c 1/8/32, kl)."""
+    huginn = parse_args(["--model", "synthetic-huginn-3.5b"])
+    assert (huginn.exit, huginn.prompt_len, huginn.concurrency) == (["fixed", "trace", "kl"], 512, [1, 8, 32])
+    assert huginn.kl_threshold == KL_THRESHOLD and huginn.trace_mean is None
+    ouro = parse_args([])
+    assert (ouro.exit, ouro.prompt_len, ouro.concurrency) == (["fixed", "trace", "ouro"], 1024, [1, 32, 128])
+    given = parse_args(["--model", "toy-huginn", "--exit", "latent_diff", "--prompt-len", "7"])
+    assert (given.exit, given.prompt_len, given.concurrency) == (["latent_diff"], 7, [1, 8, 32])
+
+
+def test_cpu_toy_huginn_signal_grid(tmp_path, one_thread: None) -> None:
+    """kl and latent_diff workloads on toy-huginn: every run completes, the signals exit early, the gate
+    passes, and the c = 1 floor counts a CODA per loop under kl."""
+    out = tmp_path / "bench.json"
+    argv = [*TOY_GRID, "--model", "toy-huginn", "--concurrency", "1", "--exit", "kl,latent_diff", "--no-warmup",
+            "--kl-threshold", "0.3", "--latent-threshold", "0.3", "--json", str(out)]
+    assert main(argv) == 0
+    payload = json.loads(out.read_text())
+    results = payload["results"]
+    assert [(r["exit_mode"], r["concurrency"]) for r in results] == [("kl", 1), ("latent_diff", 1)]
+    for r in results:
+        (run,) = r["runs"]
+        assert r["error"] is None and run["finished"] == run["requests"] and run["output_tokens"] == 8 * run["requests"]
+        assert 1.0 <= run["loops_per_generated_token"] < 6.0
+    floors = {r["exit_mode"]: r["floor"] for r in results}
+    assert floors["kl"]["codas_per_token"] == floors["kl"]["loops_per_token"] + 1
+    assert floors["latent_diff"]["codas_per_token"] == 1
+    assert {key: (g["equal"], g["failures"]) for key, g in payload["meta"]["gate"].items()} == {
+        f"workers=0,exit={mode}": (8, []) for mode in ("kl", "latent_diff")
+    }
 
 
 def _gate_setup():
@@ -141,3 +213,19 @@ def test_ulp() -> None:
 
     assert gate.ulp(16.0, "bfloat16") == gate.ulp(31.9, "bfloat16") == 0.125  # one ulp at |logit| 16–32
     assert gate.ulp(-1.5, "bfloat16") == 2.0**-7 and gate.ulp(1.0, "float32") == 2.0**-23
+
+
+def test_calibrate_threshold_script(tmp_path) -> None:
+    """scripts/calibrate_threshold.py measures mean loops per generated token per threshold (toy-huginn, kl)."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "kl.json"
+    proc = subprocess.run(
+        [sys.executable, str(root / "scripts" / "calibrate_threshold.py"), "--model", "toy-huginn", "--device", "cpu",
+         "--requests", "2", "--prompt-len", "6", "--output-len", "5", "--thresholds", "0.3,0.05", "--json", str(out)],
+        cwd=root, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    payload = json.loads(out.read_text())
+    assert payload["exit_mode"] == "kl" and [r["threshold"] for r in payload["rows"]] == [0.3, 0.05]
+    low, high = (r["mean_loops"] for r in payload["rows"])
+    assert 1 <= low <= high <= 6 and sum(payload["rows"][0]["histogram"].values()) == 2 * 4

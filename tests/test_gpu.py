@@ -22,6 +22,7 @@ import math
 import random
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import msgspec
 import pytest
@@ -317,45 +318,70 @@ def two_layer_model(monkeypatch: pytest.MonkeyPatch) -> None:
                         {**synthetic.SYNTHETIC_MODELS["synthetic-ouro-1.4b"], "num_hidden_layers": 2})
 
 
-def _gate_jobs(mode: str) -> Callable[[int, int], list[gate.GateJob]]:
-    """8 requests, prompts of 16–300 tokens, 16 outputs; trace depths mixed, ouro at the bench's threshold."""
+@dataclass(frozen=True)
+class GateWorkload:
+    """The gate requests of one model: request i has a prompt of first_prompt + i × prompt_step random
+    tokens, an explicit seed (Huginn's state init) and max_tokens greedy outputs; under trace, output j
+    of request i runs 1 + (i + j × trace_stride) mod D loops; adaptive modes use `threshold`."""
+
+    requests: int = 8
+    first_prompt: int = 16
+    prompt_step: int = 40
+    max_tokens: int = 16
+    trace_stride: int = 1
+    threshold: float = OURO_THRESHOLD
+
+
+OURO_GATE = GateWorkload()  # prompts of 16–296 tokens, 16 outputs, ouro at the bench's threshold
+
+
+def _gate_jobs(mode: str, work: GateWorkload = OURO_GATE) -> Callable[[int, int], list[gate.GateJob]]:
+    """`work`'s requests for exit `mode`, made once the model's vocabulary and D are known."""
 
     def make(vocab: int, depth: int) -> list[gate.GateJob]:
         rng = random.Random(zlib.crc32(mode.encode()))
         jobs = []
-        for i in range(8):
-            options: dict[str, object] = dict(max_tokens=16, temperature=0.0, ignore_eos=True)
+        for i in range(work.requests):
+            options: dict[str, object] = dict(max_tokens=work.max_tokens, temperature=0.0, ignore_eos=True,
+                                              seed=1000 + i)
             if mode == "trace":
-                options["exit_depths"] = [depth] + [1 + (i + j) % depth for j in range(15)]
+                options["exit_depths"] = [depth] + [1 + (i + j * work.trace_stride) % depth
+                                                    for j in range(work.max_tokens - 1)]
             else:
-                options["exit_threshold"] = OURO_THRESHOLD
-            jobs.append(gate.GateJob([rng.randrange(vocab) for _ in range(16 + 40 * i)], SamplingParams(**options)))
+                options["exit_threshold"] = work.threshold
+            prompt = [rng.randrange(vocab) for _ in range(work.first_prompt + work.prompt_step * i)]
+            jobs.append(gate.GateJob(prompt, SamplingParams(**options)))
         return jobs
 
     return make
 
 
-def _torch_reference(model: str, layout: str, mode: str) -> gate.Reference:
+def _torch_reference(model: str, layout: str, mode: str, state_init: str = "random",
+                     work: GateWorkload = OURO_GATE) -> gate.Reference:
     """The torch path's float32 outputs of _gate_jobs (cached: several tests compare against one)."""
-    key = (model, layout, mode)
+    key = (model, layout, mode, state_init, work)
     if key not in _references:
-        options = dict(device="cuda", exit_mode=mode, kv_layout=layout, num_blocks=1024, max_num_seqs=16)
-        _references[key] = gate.reference_run(model, options, _gate_jobs(mode))
+        options = dict(device="cuda", exit_mode=mode, kv_layout=layout, state_init=state_init, num_blocks=1024,
+                       max_num_seqs=16)
+        _references[key] = gate.reference_run(model, options, _gate_jobs(mode, work))
         _free_cuda()
     return _references[key]
 
 
-def _check_float32(model: str, layout: str, mode: str, **options: object) -> gate.GateResult:
-    reference = _torch_reference(model, layout, mode)
+def _check_float32(model: str, layout: str, mode: str, state_init: str = "random", work: GateWorkload = OURO_GATE,
+                   **options: object) -> tuple[gate.GateResult, dict | None]:
+    """The gate's verdict on a Triton engine of `options` in float32, and its runner's graph counters."""
+    reference = _torch_reference(model, layout, mode, state_init, work)
     llm = LLM(model, workers=0, device="cuda", dtype="float32", exit_mode=mode, kv_layout=layout,
-              attention_backend="triton", max_num_seqs=16, **options)
+              state_init=state_init, attention_backend="triton", max_num_seqs=16, **options)
     try:
         result = gate.check(llm, reference)
+        stats = llm.engine.executor._worker.runner.graph_stats
     finally:
         llm.close()
         _free_cuda()
-    print(f"\n{model} {layout} {mode} {options}: {result.summary()}")
-    return result
+    print(f"\n{model} {layout} {mode} state_init={state_init} {options}: {result.summary()}; graphs {stats}")
+    return result, stats
 
 
 @pytest.mark.parametrize("mode", ["trace", "ouro"])
@@ -364,9 +390,10 @@ def _check_float32(model: str, layout: str, mode: str, **options: object) -> gat
     dict(cuda_graphs=True, loops_per_plan=0),  # Triton graphs, D loops per plan where the policy allows
 ])
 def test_ouro_1_4b_float32_triton_equals_torch(mode: str, variant: dict) -> None:
-    result = _check_float32("synthetic-ouro-1.4b", "last_exited", mode, num_blocks=1024, **variant)
+    result, _ = _check_float32("synthetic-ouro-1.4b", "last_exited", mode, num_blocks=1024, **variant)
     assert result.passed, result.summary()
-    assert len({tuple(o.exit_depths) for o in _references[("synthetic-ouro-1.4b", "last_exited", mode)].outputs}) > 1
+    reference = _torch_reference("synthetic-ouro-1.4b", "last_exited", mode)
+    assert len({tuple(o.exit_depths) for o in reference.outputs}) > 1
 
 
 @pytest.mark.parametrize("mode", ["trace", "ouro"])
@@ -374,7 +401,7 @@ def test_ouro_1_4b_float32_triton_equals_torch(mode: str, variant: dict) -> None
 @pytest.mark.parametrize("model", list(WRAP_POOLS))
 def test_pools_past_32_bit_offsets(model: str, layout: str, mode: str, two_layer_model: None) -> None:
     """A pool whose K/V offsets pass 2^31 elements runs to the end and equals the torch path (float32)."""
-    result = _check_float32(model, layout, mode, num_blocks=WRAP_POOLS[model])
+    result, _ = _check_float32(model, layout, mode, num_blocks=WRAP_POOLS[model])
     assert result.passed, result.summary()
 
 

@@ -181,7 +181,11 @@ INTERP_CASES: dict[str, Callable[[], None]] = {
         ("gqa-split3", (4, 2, 32, 16, 2, [33, 2]), {"num_splits": 3, "tile": 16}),
     ]
     for strided in (False, True)
-} | {"float64": _interp_float64, "write_kv": _interp_write_kv, "finalize_kv": _interp_finalize_kv}
+} | {
+    # Huginn's 55 heads (odd) × 96 (padded to 128), contiguous only: 55 heads make the interpreter slow
+    "huginn-55h-d96": functools.partial(_interp_attention, 55, 55, 96, 16, 2, [18], False),
+    "float64": _interp_float64, "write_kv": _interp_write_kv, "finalize_kv": _interp_finalize_kv,
+}
 
 
 # ---- CPU, interpreter: offsets past 2^31 elements ----------------------------------------------
@@ -309,6 +313,18 @@ def test_gpu_ouro_shapes(
     batch = make_batch(
         **OURO, planes=3, seq_lens=ouro_lens(rows, seed=rows), dtype=dtype, device="cuda", strided_pool=strided
     )
+    check(batch, atol=atol, rtol=rtol)
+    check(batch, atol=atol, rtol=rtol, num_splits=4)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype,atol,rtol", [(torch.bfloat16, 2e-2, 2e-2), (torch.float32, 2e-5, 2e-5)])
+@pytest.mark.parametrize("strided", [False, True], ids=["contig-pool", "strided-pool"])
+def test_gpu_huginn_shapes(compiled: None, dtype: torch.dtype, atol: float, rtol: float, strided: bool) -> None:
+    """Huginn-0125's 55 heads × 96 (padded to 128) over 2 depth planes, single and split."""
+    batch = make_batch(num_heads=55, num_kv_heads=55, head_dim=96, block_size=16, planes=2,
+                       seq_lens=ouro_lens(64, seed=55), dtype=dtype, device="cuda", strided_pool=strided)
     check(batch, atol=atol, rtol=rtol)
     check(batch, atol=atol, rtol=rtol, num_splits=4)
 

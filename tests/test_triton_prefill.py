@@ -236,7 +236,11 @@ INTERP_CASES: dict[str, Callable[[], None]] = {
     )
     for name, args, kw in _SHAPES
     for strided, poison in ((False, False), (True, True))
-} | {"float64": _interp_float64, "engine-triton-equals-torch": _interp_engine}
+} | {
+    # Huginn's 55 heads (odd) × 96 after a 16-position prefix; strided and poisoned only (55 heads are slow here)
+    "huginn-55h-d96": partial(_interp_prefill, (55, 55, 96, 16, 2, [(16, 3)]), True, True),
+    "float64": _interp_float64, "engine-triton-equals-torch": _interp_engine,
+}
 
 
 @pytest.fixture(scope="module")

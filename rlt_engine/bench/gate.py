@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from protocol.messages import CodaBatch, ExecutionPlan, SamplingParams
+from protocol.messages import CodaBatch, SamplingParams
 
 GATE_REQUESTS = 8
 GATE_DTYPE = "float32"
@@ -119,33 +119,36 @@ def reference_run(
 def record_coda_logits(llm: Any, keep: Callable[[Any], Any]) -> dict[tuple[int, int], Any]:
     """`keep(logits row)` of every sampled CODA row, by (request key, output index).
 
-    In-process engines only (workers=0): it wraps the worker's model's LM head.
+    In-process engines only (workers=0): it wraps the runner's CODA stage and the model's LM head,
+    and keeps the head's logits while a CODA batch runs (a `kl` signal calls the head as well).
     """
     recorded: dict[tuple[int, int], Any] = {}
-    pending: list[tuple[list[int], list[int]]] = []
-
-    def on_plan(worker: int, plan: ExecutionPlan) -> None:
-        for batch in plan.batches:
-            if isinstance(batch, CodaBatch):
-                indices = batch.col("sample_indices")
-                sampled = indices >= 0
-                if sampled.any():  # the runner calls the head only when some row samples
-                    pending.append((batch.col("keys")[sampled].tolist(), indices[sampled].tolist()))
+    sampled_rows: list[tuple[list[int], list[int]]] = []  # the running CodaBatch's sampled rows
 
     runner = llm.engine.executor._worker.runner
     if runner._graphs is not None:  # a CODA graph calls lm_head only while it is captured: run CODA eagerly
         runner._graphs.coda = None
-    model = runner.model
+    real_coda, model = runner._coda, runner.model
     real_head = model.lm_head
+
+    def coda(batch: CodaBatch, results: Any) -> None:
+        indices = batch.col("sample_indices")
+        sampled = indices >= 0
+        sampled_rows.append((batch.col("keys")[sampled].tolist(), indices[sampled].tolist()))
+        try:
+            real_coda(batch, results)
+        finally:
+            sampled_rows.clear()
 
     def head(hidden: Any) -> Any:
         logits = real_head(hidden)
-        keys, indices = pending.pop(0)
-        for row, (key, index) in enumerate(zip(keys, indices, strict=True)):
-            recorded[(key, index)] = keep(logits[row])
+        if sampled_rows:  # the runner calls the head once per CODA batch, for its sampled rows
+            keys, indices = sampled_rows.pop()
+            for row, (key, index) in enumerate(zip(keys, indices, strict=True)):
+                recorded[(key, index)] = keep(logits[row])
         return logits
 
-    llm.engine.add_plan_listener(on_plan)
+    runner._coda = coda
     object.__setattr__(model, "lm_head", head)  # an instance attribute shadows the method
     return recorded
 

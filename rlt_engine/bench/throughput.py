@@ -6,9 +6,13 @@ c requests in flight until 2·c (`--requests-factor`) have been submitted, each 
 
     exit fixed   every generated position runs D loops
     exit trace   a fixed seeded mix of depths 1 … D after the first token, mean `--trace-mean`
+                 (default: uniform, (D + 1) / 2)
     exit ouro    Ouro's gate decides, at `--ouro-threshold` (the synthetic model's gate gives a
                  mean near 2.5 loops per generated token at the default; the measured mean is
                  reported)
+    exit kl      Huginn: the KL between successive loops' next-token distributions decides, at
+                 `--kl-threshold` (the CODA runs after every loop: its bytes count in the floor)
+    exit latent_diff  Huginn: the relative change of the state decides, at `--latent-threshold`
     exit prefill one output token per request (exit fixed): prompt tokens/s and time to first
                  token (not in the default list; `--exit prefill --resume` adds it to a grid's JSON)
 
@@ -27,6 +31,7 @@ as partial; medians use the complete runs when there is one), and the whole grid
 `--total-seconds`: each configuration gets a share of what is left, weighted 1 + log2(c)/7.
 
     rlt-bench throughput                                 # Ouro-1.4B shape, bf16 on CUDA, the full grid
+    rlt-bench throughput --model synthetic-huginn-3.5b   # Huginn-0125 shape: its own defaults (see FAMILY_DEFAULTS)
     rlt-bench throughput --json grid.json --resume       # finish a grid an earlier call left unfinished
     rlt-bench throughput --model toy-ouro --device cpu --prompt-len 16 --output-len 8 --concurrency 1,4
 """
@@ -44,6 +49,7 @@ import random
 import statistics
 import sys
 import time
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,9 +59,17 @@ from rlt_engine.bench import gate
 from rlt_engine.bench.report import log, pyplot
 
 HBM_TBPS = 4.3  # H200 device-to-device copy rate measured here (KINDS.md), bytes read + written
-EXIT_MODES = ("fixed", "trace", "ouro")  # the default grid
-WORKLOADS = (*EXIT_MODES, "prefill")
+WORKLOADS = ("fixed", "trace", "ouro", "kl", "latent_diff", "prefill")
 OURO_THRESHOLD = 0.63  # see --ouro-threshold: 0.6 gave 2.36 and 0.7 2.80 loops (docs/benchmarks.md)
+# synthetic-huginn-3.5b: about 15 and 14 loops per position in the CPU check of
+# rlt_worker/models/synthetic.py (bf16, dense); to be calibrated on the GPU (docs/benchmarks.md).
+KL_THRESHOLD = 1e-2
+LATENT_THRESHOLD = 0.05
+# What the flags left unset mean, by model family: the grids the issues ask for.
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "ouro": {"exit": ["fixed", "trace", "ouro"], "prompt_len": 1024, "concurrency": [1, 32, 128]},
+    "huginn_raven": {"exit": ["fixed", "trace", "kl"], "prompt_len": 512, "concurrency": [1, 8, 32]},
+}
 
 # ---------------------------------------------------------------------------- workload
 
@@ -74,7 +88,8 @@ def depth_weights(depth: int, mean: float) -> list[float]:
         raise ValueError(f"trace mean {mean} is outside 1 … {depth}")
 
     def weights(beta: float) -> list[float]:
-        raw = [math.exp(beta * (k - depth)) for k in range(1, depth + 1)]
+        top = depth if beta >= 0 else 1  # the most likely depth: every exponent is ≤ 0
+        raw = [math.exp(beta * (k - top)) for k in range(1, depth + 1)]
         total = sum(raw)
         return [w / total for w in raw]
 
@@ -99,27 +114,32 @@ class Workload:
     """What every request of a run asks for, besides its prompt."""
 
     output_len: int
-    exit_mode: str  # fixed | trace | ouro
+    exit_mode: str  # fixed | trace | ouro | kl | latent_diff
     depth: int  # D
-    trace_mean: float = 2.5
-    ouro_threshold: float = 1.0
+    trace_mean: float | None = None  # None: uniform over 1 … D
+    threshold: float | None = None  # every request's exit_threshold (ouro, kl, latent_diff)
 
 
 def make_jobs(n: int, prompt_lens: int | Sequence[int], vocab: int, work: Workload, seed: int) -> list[Job]:
     """n requests of `prompt_lens` tokens (one length, or one per request); the same seed gives the
-    same prompts and trace depths in every run."""
+    same prompts, trace depths and request seeds (Huginn's random state init) in every run."""
     rng = random.Random(seed)
     lens = [prompt_lens] * n if isinstance(prompt_lens, int) else list(prompt_lens)
-    weights = depth_weights(work.depth, work.trace_mean) if work.exit_mode == "trace" else None
+    weights = None
+    if work.exit_mode == "trace":
+        mean = (work.depth + 1) / 2 if work.trace_mean is None else work.trace_mean
+        weights = depth_weights(work.depth, mean)
     jobs = []
-    for prompt_len in lens:
+    for i, prompt_len in enumerate(lens):
         prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
-        options: dict[str, Any] = dict(max_tokens=work.output_len, temperature=0.0, ignore_eos=True)
+        # An explicit seed, so that every engine draws the same state-init noise for the request.
+        options: dict[str, Any] = dict(max_tokens=work.output_len, temperature=0.0, ignore_eos=True,
+                                       seed=zlib.crc32(f"{seed}/{i}".encode()))
         if weights is not None:
             tail = rng.choices(range(1, work.depth + 1), weights, k=work.output_len - 1)
             options["exit_depths"] = [work.depth, *tail]
-        if work.exit_mode == "ouro":
-            options["exit_threshold"] = work.ouro_threshold
+        if work.threshold is not None:
+            options["exit_threshold"] = work.threshold
         jobs.append(Job(prompt, SamplingParams(**options)))
     return jobs
 
@@ -128,42 +148,72 @@ def make_jobs(n: int, prompt_lens: int | Sequence[int], vocab: int, work: Worklo
 
 
 def model_config_dict(model: str) -> dict[str, Any] | None:
-    """The config.json dict of a built-in or directory model (None if unknown)."""
+    """The config.json dict of a built-in, shipped or directory model (None if unknown)."""
+    from rlt_engine.checkpoints import resolve_model
     from rlt_worker.models.synthetic import SYNTHETIC_MODELS
     from rlt_worker.models.toy import TOY_MODELS
 
     for registry in (SYNTHETIC_MODELS, TOY_MODELS):
         if model in registry:
             return dict(registry[model])
-    path = os.path.join(model, "config.json")
+    path = os.path.join(resolve_model(model), "config.json")
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     return None
 
 
+def model_depth(cfg: dict[str, Any] | None) -> int:
+    """The default D of a config.json dict (0 if unknown)."""
+    if cfg is None:
+        return 0
+    return int(cfg.get("mean_recurrence" if cfg.get("model_type") == "huginn_raven" else "total_ut_steps", 4))
+
+
 @dataclass(frozen=True)
 class TokenBytes:
-    """Bytes one generated token must read from HBM, split by what reads them."""
+    """Bytes one generated token must read from HBM, split by the stage that reads them.
 
-    loop_weights: int  # one pass of the shared block
-    head: int  # per token, outside the loop (LM head; Huginn: prelude and coda blocks too)
+    Weights are read once per run of their stage, K/V once per run per context position. A
+    token runs PRELUDE once, its loops, and CODA once, or, under `kl`, once after every loop
+    as well (the signal is the coda's next-token distribution): loops + 1 CODAs.
+    """
+
+    loop_weights: int  # one pass of the shared block (Huginn: adapter + core blocks)
     kv_per_position_loop: int  # K/V of one context position, all loop layers of one plane
+    coda_weights: int  # one CODA: the LM head (Huginn: ln_f, coda blocks, tied head)
+    prelude_weights: int = 0  # Huginn: the prelude blocks (the embedding row is negligible)
+    kv_per_position_prelude: int = 0  # Huginn: K/V of one context position, prelude layers
+    kv_per_position_coda: int = 0  # Huginn: K/V of one context position, coda layers
 
-    def per_token(self, loops: float, context: float) -> float:
-        return loops * (self.loop_weights + context * self.kv_per_position_loop) + self.head
+    def per_token(self, loops: float, context: float, codas: float = 1.0) -> float:
+        return (loops * (self.loop_weights + context * self.kv_per_position_loop)
+                + self.prelude_weights + context * self.kv_per_position_prelude
+                + codas * (self.coda_weights + context * self.kv_per_position_coda))
+
+
+def codas_per_token(exit_mode: str, loops: float) -> float:
+    """CODA runs of one generated token: one, or under `kl` one per loop and the sampling one."""
+    return loops + 1 if exit_mode == "kl" else 1.0
 
 
 def token_bytes(cfg: dict[str, Any], itemsize: int) -> TokenBytes:
     """Weights and K/V bytes of an Ouro or Huginn config (norm weights included; no activations)."""
     if cfg.get("model_type") == "huginn_raven":
         h, inter = cfg["n_embd"], cfg["intermediate_size"]
-        block = 3 * h * h + h * h + 2 * inter * h + inter * h + 4 * h
-        loop = cfg["n_layers_in_recurrent_block"] * block + 2 * h * h
-        outside = (cfg["n_layers_in_prelude"] + cfg["n_layers_in_coda"]) * block + cfg["padded_vocab_size"] * h
+        qk_bias = 2 * h if cfg.get("qk_bias", True) else 0  # [2, 1, heads, head_dim]
+        block = 3 * h * h + qk_bias + h * h + 2 * inter * h + inter * h + 4 * h  # Wqkv, proj, fc, proj, norms
         kv_heads = cfg.get("num_key_value_heads", cfg["n_heads"])
-        kv = cfg["n_layers_in_recurrent_block"] * 2 * kv_heads * (h // cfg["n_heads"])
-        return TokenBytes(loop * itemsize, outside * itemsize, kv * itemsize)
+        kv_layer = 2 * kv_heads * (h // cfg["n_heads"])
+        n_pre, n_core, n_coda = (cfg[f"n_layers_in_{part}"] for part in ("prelude", "recurrent_block", "coda"))
+        return TokenBytes(
+            loop_weights=(n_core * block + 2 * h * h) * itemsize,  # + adapter
+            kv_per_position_loop=n_core * kv_layer * itemsize,
+            coda_weights=(n_coda * block + h + cfg["padded_vocab_size"] * h) * itemsize,  # + ln_f, tied head
+            prelude_weights=n_pre * block * itemsize,
+            kv_per_position_prelude=n_pre * kv_layer * itemsize,
+            kv_per_position_coda=n_coda * kv_layer * itemsize,
+        )
     h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     heads = cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or heads
@@ -171,7 +221,7 @@ def token_bytes(cfg: dict[str, Any], itemsize: int) -> TokenBytes:
     attn = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2
     layer = attn + 3 * h * inter + 4 * h
     loop = layers * layer + h
-    return TokenBytes(loop * itemsize, cfg["vocab_size"] * h * itemsize, layers * 2 * kv_heads * head_dim * itemsize)
+    return TokenBytes(loop * itemsize, layers * 2 * kv_heads * head_dim * itemsize, cfg["vocab_size"] * h * itemsize)
 
 
 # ---------------------------------------------------------------------------- one timed run
@@ -340,7 +390,8 @@ class Grid:
         self.meta: dict[str, Any] = {}
         self.deadline = time.perf_counter() + args.total_seconds
         self.references: dict[str, gate.Reference] = {}  # exit mode → the torch path's gate outputs
-        self.depth = 0  # D, known once the first engine (the gate's reference) is up
+        # D: the config's default, and the engine's once the first one (the gate's reference) is up.
+        self.depth = model_depth(model_config_dict(args.model))
 
     @property
     def gate_dtype(self) -> str:
@@ -392,7 +443,8 @@ class Grid:
         a = self.args
         if mode == "prefill":
             return Workload(1, "fixed", self.depth)
-        return Workload(output_len, mode, self.depth, a.trace_mean, a.ouro_threshold)
+        thresholds = {"ouro": a.ouro_threshold, "kl": a.kl_threshold, "latent_diff": a.latent_threshold}
+        return Workload(output_len, mode, self.depth, a.trace_mean, thresholds.get(mode))
 
     def _gate_pool(self) -> int:
         """KV blocks for the gate requests alone, every plane (Huginn's outer one too; up to 16 loop
@@ -576,18 +628,26 @@ class Grid:
         itemsize = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}[dtype]
         tb = token_bytes(cfg, itemsize)
         loops = config.median.get("loops_per_generated_token") or 0.0
+        codas = codas_per_token(config.exit_mode, loops)
         context = a.prompt_len + a.output_len / 2  # mean context over the decode
-        per_token = tb.per_token(loops, context)
+        per_token = tb.per_token(loops, context, codas)
         floor_s = per_token / (a.hbm_tbps * 1e12)
+        outside = tb.prelude_weights + context * tb.kv_per_position_prelude
         return {
-            "loop_weight_bytes": tb.loop_weights, "head_bytes": tb.head, "kv_bytes_per_position_loop":
-            tb.kv_per_position_loop, "loops_per_token": loops, "mean_context": context, "bytes_per_token": per_token,
+            "loop_weight_bytes": tb.loop_weights, "kv_bytes_per_position_loop": tb.kv_per_position_loop,
+            "coda_weight_bytes": tb.coda_weights, "prelude_weight_bytes": tb.prelude_weights,
+            "kv_bytes_per_position_prelude": tb.kv_per_position_prelude,
+            "kv_bytes_per_position_coda": tb.kv_per_position_coda, "loops_per_token": loops,
+            "codas_per_token": codas, "mean_context": context, "bytes_per_token": per_token,
             "hbm_tbps": a.hbm_tbps, "floor_s": floor_s, "measured_itl_p50_s": measured, "ratio": measured / floor_s,
             "arithmetic": (
                 f"{loops:.3g} loops × ({tb.loop_weights / 1e9:.4g} GB loop weights + {context:.0f} positions × "
-                f"{tb.kv_per_position_loop / 1e3:.4g} kB K/V) + {tb.head / 1e9:.4g} GB head = {per_token / 1e9:.4g} GB"
-                f" per token; ÷ {a.hbm_tbps} TB/s = {floor_s * 1e3:.4g} ms; measured ITL p50 "
-                f"{measured * 1e3:.3f} ms = {measured / floor_s:.1f}× the floor"
+                f"{tb.kv_per_position_loop / 1e3:.4g} kB K/V)"
+                + (f" + {outside / 1e9:.4g} GB prelude (weights + K/V)" if outside else "")
+                + f" + {codas:.3g} × ({tb.coda_weights / 1e9:.4g} GB coda weights"
+                + (f" + {context:.0f} × {tb.kv_per_position_coda / 1e3:.4g} kB K/V" if tb.kv_per_position_coda else "")
+                + f") = {per_token / 1e9:.4g} GB per token; ÷ {a.hbm_tbps} TB/s = {floor_s * 1e3:.4g} ms; measured "
+                f"ITL p50 {measured * 1e3:.3f} ms = {measured / floor_s:.1f}× the floor"
             ),
         }
 
@@ -754,16 +814,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="synthetic-ouro-1.4b")
     p.add_argument("--device", default=None, help="cuda if available, else cpu")
     p.add_argument("--dtype", default=None, help="bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--prompt-len", type=int, default=None, help="default: the model family's (FAMILY_DEFAULTS)")
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--concurrency", type=_csv_ints, default=[1, 32, 128])
+    p.add_argument("--concurrency", type=_csv_ints, default=None, help="default: the model family's")
     p.add_argument("--requests-factor", type=int, default=2, help="requests per run = factor × concurrency")
-    p.add_argument("--exit", type=_csv, default=list(EXIT_MODES),
-                   help="any of fixed, trace, ouro, prefill (one output token: prompt tokens/s and TTFT)")
-    p.add_argument("--trace-mean", type=float, default=2.5, help="mean depth of generated positions under trace")
+    p.add_argument("--exit", type=_csv, default=None,
+                   help="any of fixed, trace, ouro, kl, latent_diff, prefill (one output token: prompt tokens/s "
+                        "and TTFT); default: the model family's (Ouro fixed,trace,ouro; Huginn fixed,trace,kl)")
+    p.add_argument("--trace-mean", type=float, default=None,
+                   help="mean depth of generated positions under trace (default: uniform over 1 … D)")
     p.add_argument("--ouro-threshold", type=float, default=OURO_THRESHOLD,
                    help="exit threshold of every request under ouro (the synthetic model's gate gives a mean "
                         "near 2.5 loops per generated token at the default)")
+    p.add_argument("--kl-threshold", type=float, default=KL_THRESHOLD,
+                   help="exit threshold (nats) of every request under kl (Huginn)")
+    p.add_argument("--latent-threshold", type=float, default=LATENT_THRESHOLD,
+                   help="exit threshold of every request under latent_diff (Huginn)")
     p.add_argument("--workers", type=_csv_ints, default=[0, 1])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-seconds", type=float, default=45.0, help="timed seconds per configuration")
@@ -791,6 +857,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
     p.add_argument("--from-json", default=None, help="only tabulate/plot an earlier --json file")
     args = p.parse_args(argv)
+    config = model_config_dict(args.model) or {}
+    for flag, value in FAMILY_DEFAULTS.get(config.get("model_type"), FAMILY_DEFAULTS["ouro"]).items():
+        if getattr(args, flag) is None:
+            setattr(args, flag, value)
     for mode in args.exit:
         if mode not in WORKLOADS:
             p.error(f"--exit takes any of {', '.join(WORKLOADS)}, not {mode!r}")
@@ -823,7 +893,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "requests_factor": args.requests_factor, "trace_mean": args.trace_mean, "repeats": args.repeats,
         "max_seconds": args.max_seconds, "total_seconds": args.total_seconds, "block_size": args.block_size,
         "prefill_chunk_size": args.prefill_chunk_size, "attention_backend": resolved.attention_backend,
-        "ouro_threshold": args.ouro_threshold, "gate_dtype": grid.gate_dtype, "gate_output_len": args.gate_output_len,
+        "ouro_threshold": args.ouro_threshold, "kl_threshold": args.kl_threshold,
+        "latent_threshold": args.latent_threshold, "gate_dtype": grid.gate_dtype,
+        "gate_output_len": args.gate_output_len,
         "cuda_graphs": args.cuda_graphs, "fused_layers": args.fused_layers, "loops_per_plan": args.loops_per_plan,
         "sampling": "greedy, ignore_eos",
     }

@@ -13,7 +13,7 @@ from pathlib import Path
 SHIPPED = ("tiny-ouro-py",)
 DEFAULT_MODEL = "tiny-ouro-py"
 # Every model name a worker knows (rlt_worker.models.loader: toy and synthetic models; a test checks they agree).
-BUILT_IN = (*SHIPPED, "toy-ouro", "toy-huginn", "synthetic-ouro-1.4b", "synthetic-ouro-2.6b")
+BUILT_IN = (*SHIPPED, "toy-ouro", "toy-huginn", "synthetic-ouro-1.4b", "synthetic-ouro-2.6b", "synthetic-huginn-3.5b")
 
 
 def resolve_model(model: str) -> str:

@@ -108,8 +108,8 @@ def _read_safetensors(directory: str) -> dict[str, torch.Tensor]:
 
 
 def load_model(model: str, dtype: torch.dtype, device: str | torch.device) -> LoopedModel:
-    """Load "toy-ouro", "toy-huginn", a synthetic model ("synthetic-ouro-1.4b": real shapes, random
-    weights made on `device`) or an HF-layout directory (config.json + *.safetensors)."""
+    """Load "toy-ouro", "toy-huginn", a synthetic model ("synthetic-ouro-1.4b", "synthetic-huginn-3.5b":
+    real shapes, random weights made on `device`) or an HF-layout directory (config.json + *.safetensors)."""
     _check_dtype(dtype)
     if model in TOY_MODELS:
         cfg_dict, state = toy_checkpoint(model)
