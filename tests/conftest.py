@@ -19,3 +19,18 @@ def single_thread():
 def compiled(monkeypatch: pytest.MonkeyPatch) -> None:
     """Run the compiled Triton kernels, whatever the caller's environment says (TRITON_INTERPRET)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+@pytest.fixture
+def register_synthetic(monkeypatch: pytest.MonkeyPatch):
+    """`register_synthetic(name, config)`: a synthetic model of `config` (a config.json dict) that
+    in-process engines and the dense reference load by `name`, for this test only. It joins the
+    worker's synthetic models and the engine's built-in names, which the engine checks first."""
+    from rlt_engine import checkpoints
+    from rlt_worker.models import synthetic
+
+    def register(name: str, config: dict) -> None:
+        monkeypatch.setattr(checkpoints, "BUILT_IN", (*checkpoints.BUILT_IN, name))
+        monkeypatch.setitem(synthetic.SYNTHETIC_MODELS, name, config)
+
+    return register

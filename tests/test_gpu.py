@@ -306,16 +306,11 @@ _references: dict[tuple[str, str, str], gate.Reference] = {}
 
 
 @pytest.fixture
-def two_layer_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Register TWO_LAYERS for in-process (workers=0) engines: with the worker's synthetic models,
-    and with the engine's list of built-in names, which it checks before any worker starts."""
-    from rlt_engine import checkpoints
-    from rlt_worker.models import synthetic
+def two_layer_model(register_synthetic: Callable[[str, dict], None]) -> None:
+    """Register TWO_LAYERS for in-process (workers=0) engines."""
+    from rlt_worker.models.synthetic import synthetic_config
 
-    monkeypatch.setattr(checkpoints, "BUILT_IN", (*checkpoints.BUILT_IN, TWO_LAYERS))
-
-    monkeypatch.setitem(synthetic.SYNTHETIC_MODELS, TWO_LAYERS,
-                        {**synthetic.SYNTHETIC_MODELS["synthetic-ouro-1.4b"], "num_hidden_layers": 2})
+    register_synthetic(TWO_LAYERS, {**synthetic_config("synthetic-ouro-1.4b"), "num_hidden_layers": 2})
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -127,11 +128,9 @@ SMALL_HUGINN = "synthetic-huginn-3.5b-width-192"
 
 
 @pytest.fixture
-def small_huginn_model(monkeypatch: pytest.MonkeyPatch) -> None:
+def small_huginn_model(register_synthetic: Callable[[str, dict], None]) -> None:
     """Register SMALL_HUGINN (small_huginn()) for in-process engines and the dense reference."""
-    from rlt_worker.models import synthetic
-
-    monkeypatch.setitem(synthetic.SYNTHETIC_MODELS, SMALL_HUGINN, small_huginn())
+    register_synthetic(SMALL_HUGINN, small_huginn())
 
 
 @pytest.mark.parametrize("exit_mode,state_init,kv_layout", [("kl", "random", "last_exited"),
