@@ -48,7 +48,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     family: str  # "ouro" | "huginn"
     hidden_size: int
     vocab_size: int  # rows of the LM head
-    default_loops: int  # D: Ouro total_ut_steps, Huginn mean_recurrence
+    default_depth: int  # D: Ouro total_ut_steps, Huginn mean_recurrence
     num_loop_kv_layers: int  # attention layers inside the loop (one K/V plane per depth)
     num_outer_kv_layers: int  # attention layers outside the loop (one K/V version per position)
     num_kv_heads: int
@@ -98,7 +98,7 @@ class WorkerReady(msgspec.Struct, tag=True, array_like=True, kw_only=True):
     device: str
     num_blocks: int  # physical KV blocks the pool holds
     num_planes: int  # planes per slot block table (loop depth planes + outer plane)
-    max_depth: int  # D, resolved from the model (ModelInfo.default_loops) when the config's max_loops was 0
+    max_depth: int  # D, resolved from the model (ModelInfo.default_depth) when the config's max_loops was 0
     model: ModelInfo
     pid: int
 

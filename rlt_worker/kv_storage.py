@@ -22,9 +22,9 @@ LAST_EXITED = "last_exited"
 SHARED = "shared"
 
 
-def num_planes(info: ModelInfo, kv_layout: str, max_loops: int) -> int:
+def num_planes(info: ModelInfo, kv_layout: str, max_depth: int) -> int:
     """How many planes each slot's block table has."""
-    loop_planes = max_loops if kv_layout == LAST_EXITED else 1
+    loop_planes = max_depth if kv_layout == LAST_EXITED else 1
     return loop_planes + (1 if info.num_outer_kv_layers else 0)
 
 

@@ -61,7 +61,7 @@ class RunnerConfig:
     """What the runner needs beyond the model and the storage."""
 
     kv_layout: str
-    max_loops: int  # D
+    max_depth: int  # D
     num_planes: int
     max_slots: int
     attention_backend: str
@@ -345,7 +345,7 @@ class ModelRunner:
 
         embedded = self.model.embed(tokens, positions, context(None))
         state = self._initial_state(embedded, np.repeat(batch.col("seeds"), query_lens), positions)
-        for depth in range(1, self.config.max_loops + 1):
+        for depth in range(1, self.config.max_depth + 1):
             state = self.model.loop(state, embedded, positions, context(depth))
         if self.model.info.num_outer_kv_layers:  # Huginn: coda K/V of every prompt position
             self.model.coda(state, positions, context(None))
@@ -428,7 +428,7 @@ class ModelRunner:
             return  # SHARED: the one plane already holds each position's last loop
         slots = self._slots(batch.col("keys"), batch.col("generations"))
         slots, positions, depths = self._upload(slots, batch.col("positions"), batch.col("exit_depths"))
-        loop_tables = self.block_tables[:, : self.config.max_loops]  # Huginn's outer-layer plane comes after
+        loop_tables = self.block_tables[:, : self.config.max_depth]  # Huginn's outer-layer plane comes after
         self._backend.finalize_kv(self.storage.pool, loop_tables, slots, positions, depths)
 
     def _coda(self, batch: CodaBatch, results: ResultBuilder) -> None:

@@ -60,14 +60,14 @@ class Worker:
 
             model = with_fused_layers(model)
         info = model.info
-        max_depth = config.max_loops or info.default_loops  # D
+        max_depth = config.max_loops or info.default_depth  # D
         planes = num_planes(info, config.kv_layout, max_depth)
         num_blocks = config.num_blocks or self._auto_num_blocks(info, dtype, device)
         # One block beyond the engine's num_blocks: scratch for the padding rows of graph-captured passes.
         storage = KVStorage(info, num_blocks + 1, config.block_size, dtype, device)
         runner_config = RunnerConfig(
             kv_layout=config.kv_layout,
-            max_loops=max_depth,
+            max_depth=max_depth,
             num_planes=planes,
             max_slots=config.max_num_seqs,
             attention_backend=config.attention_backend,

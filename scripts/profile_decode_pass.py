@@ -77,7 +77,7 @@ class Setup:
         self.reference = load_model(args.model, dtype=dtype, device=device)
         info = self.reference.info
         self.info = info
-        self.depth = info.default_loops
+        self.depth = info.default_depth
         self.blocks_per_row = math.ceil(args.context / args.block_size)
         num_blocks = max_rows * self.blocks_per_row
         self.storage = KVStorage(info, num_blocks + 1, args.block_size, dtype, device)
@@ -93,7 +93,7 @@ class Setup:
 
     def _runner(self, model, planes: int, max_rows: int, num_blocks: int) -> ModelRunner:
         cuda = self.device.type == "cuda"
-        config = RunnerConfig(kv_layout="last_exited", max_loops=self.depth, num_planes=planes, max_slots=max_rows,
+        config = RunnerConfig(kv_layout="last_exited", max_depth=self.depth, num_planes=planes, max_slots=max_rows,
                               attention_backend="triton", state_init="random", scratch_block=num_blocks,
                               cuda_graphs=cuda, graph_capture="lazy")
         runner = ModelRunner(model, self.storage, config)

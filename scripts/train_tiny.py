@@ -85,7 +85,7 @@ def per_loop_losses(model, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     embedded = model.embed(inputs.reshape(-1), positions, ctx)
     state = model.init_state(embedded, None)
     losses, hazards = [], []
-    for _ in range(model.info.default_loops):
+    for _ in range(model.info.default_depth):
         state = model.loop(state, embedded, positions, ctx)
         logits = model.lm_head(state).float()
         losses.append(F.cross_entropy(logits, targets.reshape(-1), reduction="none").view(b, t))

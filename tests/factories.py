@@ -367,7 +367,7 @@ def reference_model(name: str) -> LoopedModel:
 def reference_config(name: str, kv_layout: str, exit_mode: str, state_init: str = "random") -> ReferenceConfig:
     info = reference_model(name).info
     return ReferenceConfig(
-        max_loops=info.default_loops,
+        max_depth=info.default_depth,
         kv_layout=kv_layout,
         exit_mode=exit_mode,
         state_init=state_init,

@@ -218,11 +218,11 @@ def test_toy_models_are_not_degenerate() -> None:
 
 def test_model_info() -> None:
     o = load_model("toy-ouro", torch.float32, "cpu").info
-    assert (o.family, o.default_loops, o.num_loop_kv_layers, o.num_outer_kv_layers) == ("ouro", 4, 2, 0)
+    assert (o.family, o.default_depth, o.num_loop_kv_layers, o.num_outer_kv_layers) == ("ouro", 4, 2, 0)
     assert (o.num_kv_heads, o.head_dim, o.vocab_size, o.max_model_len, o.eos_token_ids) == (2, 16, 264, 512, (257,))
     assert o.has_exit_gate and not o.has_coda_signal
     h = load_model("toy-huginn", torch.bfloat16, "cpu").info
-    assert (h.family, h.default_loops, h.num_loop_kv_layers, h.num_outer_kv_layers) == ("huginn", 6, 2, 2)
+    assert (h.family, h.default_depth, h.num_loop_kv_layers, h.num_outer_kv_layers) == ("huginn", 6, 2, 2)
     assert (h.num_kv_heads, h.head_dim, h.max_model_len, h.eos_token_ids) == (4, 16, 512, (257,))
     assert h.has_coda_signal and not h.has_exit_gate
 
@@ -237,7 +237,7 @@ def test_save_load_round_trip(tmp_path: Path, name: str, dtype: torch.dtype) -> 
     model = load_model(name, dtype, "cpu")
     save_checkpoint(model, tmp_path, TOY_MODELS[name])
     again = load_model(str(tmp_path), dtype, "cpu")
-    loops = model.info.default_loops
+    loops = model.info.default_depth
     noise = trunc_noise(T, 64) if name == "toy-huginn" else None
     a, _ = run_stages(model, PROMPT, loops, T, noise)
     b, _ = run_stages(again, PROMPT, loops, T, noise)

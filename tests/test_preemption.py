@@ -52,7 +52,7 @@ def workload(model: str, sampled: bool, n: int = 14) -> tuple[list[list[int]], l
 
 
 def assert_equal_to_reference(reference_model, llm: LLM, layout: str, prompts, params, outputs) -> None:
-    config = ReferenceConfig(max_loops=llm.engine.max_depth, kv_layout=layout, exit_mode=llm.engine.config.exit_mode)
+    config = ReferenceConfig(max_depth=llm.engine.max_depth, kv_layout=layout, exit_mode=llm.engine.config.exit_mode)
     for prompt, p, out in zip(prompts, params, outputs, strict=True):
         ref = generate_reference(reference_model, prompt, p, p.seed, config)
         assert (out.token_ids, out.exit_depths) == (ref.token_ids, ref.exit_depths), out.request_id
@@ -125,7 +125,7 @@ def test_recompute_reproduces_the_kv_planes_and_the_continuation(reference_model
     outputs = []
     while engine.has_unfinished_requests():
         outputs += [o for o in engine.step() if o.finished]
-    config = ReferenceConfig(max_loops=engine.max_depth, kv_layout=layout, exit_mode=engine.config.exit_mode)
+    config = ReferenceConfig(max_depth=engine.max_depth, kv_layout=layout, exit_mode=engine.config.exit_mode)
     ref = generate_reference(reference_models[model], prompt, params, params.seed, config)
     assert (outputs[0].token_ids, outputs[0].exit_depths) == (ref.token_ids, ref.exit_depths)
     llm.close()

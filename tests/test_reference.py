@@ -48,7 +48,7 @@ SPEC_TABLE = {
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
 def test_reads_reproduce_the_spec_table(ouro, layout):
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, exit_depths=[3, 1, 3])
-    config = ReferenceConfig(max_loops=3, kv_layout=layout, exit_mode="trace")
+    config = ReferenceConfig(max_depth=3, kv_layout=layout, exit_mode="trace")
     result = generate_reference(ouro, [5, 6], params, seed=0, config=config, record_reads=True)
     assert result.exit_depths == [3, 1, 3]
     for query, expected in SPEC_TABLE[layout].items():
@@ -80,7 +80,7 @@ def plain_forward_logits(model, prompt: list[int], depth: int) -> torch.Tensor:
 @pytest.mark.parametrize("name", ["ouro", "huginn"])
 def test_full_depth_last_exited_is_the_plain_forward_and_shared_is_not(name, request):
     model = request.getfixturevalue(name)
-    depth = model.info.default_loops
+    depth = model.info.default_depth
     expected = plain_forward_logits(model, PROMPT, depth)
     last_exited = prompt_logits(model, PROMPT, 0, ReferenceConfig(depth, "last_exited", state_init="zero"))
     shared = prompt_logits(model, PROMPT, 0, ReferenceConfig(depth, "shared", state_init="zero"))

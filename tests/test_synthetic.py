@@ -62,7 +62,7 @@ def test_load_model_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setitem(synthetic.SYNTHETIC_MODELS, "synthetic-ouro-1.4b", _small())
     model = load_model("synthetic-ouro-1.4b", torch.float32, "cpu")
-    assert model.info.family == "ouro" and model.info.hidden_size == 64 and model.info.default_loops == 4
+    assert model.info.family == "ouro" and model.info.hidden_size == 64 and model.info.default_depth == 4
 
 
 # ---------------------------------------------------------------------------- Huginn-0125 shape
@@ -93,7 +93,7 @@ def test_huginn_3_5b_shapes() -> None:
     assert params == 65536 * 5280 + 8 * huginn_block_params(5280, 17920) + 2 * 5280 * 5280 + 5280
     assert params == 3_564_976_800
     info = model.info
-    assert (info.family, info.default_loops, info.num_loop_kv_layers, info.num_outer_kv_layers) == ("huginn", 32, 4, 4)
+    assert (info.family, info.default_depth, info.num_loop_kv_layers, info.num_outer_kv_layers) == ("huginn", 32, 4, 4)
     assert (info.num_kv_heads, info.head_dim, info.max_model_len, info.has_coda_signal) == (55, 96, 4096, True)
 
 

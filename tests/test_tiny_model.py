@@ -88,7 +88,7 @@ def test_training_script_is_seeded_and_writes_a_loadable_checkpoint(tmp_path: Pa
     assert records[0]["model_safetensors_sha256"] == records[1]["model_safetensors_sha256"]
     assert len(records[0]["held_out_eval"]["bpb_per_loop"]) == 4
     model = load_model(str(tmp_path / "a"), torch.float32, "cpu")
-    assert model.info.default_loops == 4 and model.info.max_model_len == 32
+    assert model.info.default_depth == 4 and model.info.max_model_len == 32
 
 
 @pytest.mark.timeout(300)

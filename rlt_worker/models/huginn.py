@@ -85,7 +85,7 @@ class HuginnModel(LoopedModel):
             family="huginn",
             hidden_size=config.n_embd,
             vocab_size=config.padded_vocab_size,
-            default_loops=config.mean_recurrence,
+            default_depth=config.mean_recurrence,
             num_loop_kv_layers=config.n_layers_in_recurrent_block,
             num_outer_kv_layers=config.n_layers_in_prelude + config.n_layers_in_coda,
             num_kv_heads=config.n_heads,

@@ -88,7 +88,7 @@ class OuroModel(LoopedModel):
             family="ouro",
             hidden_size=config.hidden_size,
             vocab_size=config.vocab_size,
-            default_loops=config.total_ut_steps,
+            default_depth=config.total_ut_steps,
             num_loop_kv_layers=config.num_hidden_layers,
             num_outer_kv_layers=0,
             num_kv_heads=config.num_key_value_heads,

@@ -75,7 +75,7 @@ class DenseContext:
 
 @dataclass(frozen=True)
 class ReferenceConfig:
-    max_loops: int  # D
+    max_depth: int  # D
     kv_layout: str = "last_exited"
     exit_mode: str = "fixed"
     state_init: str = "random"
@@ -94,7 +94,7 @@ def generate_reference(
     """Generate one request exactly as SPEC §3–§5 define it."""
     result = ReferenceResult()
     ctx = DenseContext(config.kv_layout, result.reads if record_reads else None)
-    depth = config.max_loops
+    depth = config.max_depth
     for t, token in enumerate(prompt):
         state = _run_position(model, ctx, t, token, seed, config, params, exit_at=depth)
         _coda(model, ctx, t, state)  # Huginn keeps every prompt position's coda K/V
@@ -122,7 +122,7 @@ def prompt_logits(model: LoopedModel, prompt: list[int], seed: int, config: Refe
     ctx = DenseContext(config.kv_layout, None)
     params = SamplingParams(max_tokens=1)
     for t, token in enumerate(prompt):
-        state = _run_position(model, ctx, t, token, seed, config, params, exit_at=config.max_loops)
+        state = _run_position(model, ctx, t, token, seed, config, params, exit_at=config.max_depth)
         logits = _coda(model, ctx, t, state)
     return logits
 
@@ -144,10 +144,10 @@ def _run_position(
     if model.info.family == "huginn" and config.state_init == "random":
         noise = truncated_normal(torch.tensor([seed_to_int64(seed)]), positions, model.info.hidden_size)
     state = model.init_state(embedded, noise)
-    max_loops = params.max_loops or config.max_loops
+    max_loops = params.max_loops or config.max_depth
     threshold = params.exit_threshold
     remaining, prev_logp, delayed_exit = 1.0, None, None
-    for d in range(1, config.max_loops + 1):
+    for d in range(1, config.max_depth + 1):
         previous = state
         state = model.loop(state, embedded, positions, ctx.at(t, d))
         if exit_at is not None:
