@@ -36,5 +36,5 @@ python3 -m rlt_engine.cli bench greedy --model "$MODEL" --device "$DEVICE" "${dt
 echo "=== rlt-bench quality ($(( $(date +%s) - start )) s)"
 # shellcheck disable=SC2086
 python3 -m rlt_engine.cli bench quality --model "$MODEL" --device "$DEVICE" "${dtype_flag[@]}" --data "$DATA" \
-    --json "$OUT/quality.json" --plot "$OUT/quality.png" $QUALITY_FLAGS 2> >(grep -v '^generate' >&2)
+    --json "$OUT/quality.json" --plot "$OUT/quality.png" $QUALITY_FLAGS
 echo "=== done ($(( $(date +%s) - start )) s)"
