@@ -282,6 +282,14 @@ def test_bits_per_byte_of_a_bpe_model_divides_by_the_texts_bytes(prepared: Path,
     assert bpb == pytest.approx(nats / (math.log(2) * expected_bytes), rel=1e-6)
 
 
+def test_quality_sizes_the_kv_pool_for_every_window_at_once(trained: Path) -> None:
+    from rlt_engine.bench.quality import kv_blocks_for
+
+    assert kv_blocks_for(str(trained), 3, 20) == 3 * 4 * (2 + 1)  # 21 positions: 2 blocks of 16, one spare
+    assert kv_blocks_for(str(trained), 2, 0) == 2 * 4 * (4 + 1)  # the context: 64 positions
+    assert kv_blocks_for("toy-ouro", 3, 20) is None  # built-in: the engine's default
+
+
 def test_tokenized_held_out_equals_the_prepared_one(prepared: Path, trained: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Without --data, the held-out files are tokenized with the checkpoint's tokenizer: the same ids."""
