@@ -148,6 +148,9 @@ def test_prepare_is_deterministic_and_its_ids_are_the_text(prepared: Path, tmp_p
     assert len(first.train) < 0.75 * sum(map(len, train_texts))  # BPE: tokens of several bytes
     tokenizer = HFTokenizer(prepared / "tokenizer.json")
     assert [p["ids"] for p in first.meta["greedy_prompts"]] == [tokenizer.encode(p) for p in PROMPTS]
+    (again.directory / "tokenizer.json").write_bytes((again.directory / "tokenizer.json").read_bytes() + b" ")
+    with pytest.raises(ValueError, match="not the tokenizer prepared.json records"):
+        load_prepared(again.directory)
 
 
 def test_exit_distribution_and_objective() -> None:
