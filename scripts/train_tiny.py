@@ -54,6 +54,7 @@ from train_tiny_model import (  # noqa: E402
     add_residual_dropout,
     evaluate,
     exit_distribution,
+    gate_stage_step,
     greedy_continuations,
     initial_weights,
     ouro_objective,
@@ -83,6 +84,10 @@ class TrainConfig:
     eval_windows: int = 40
     eval_every: int = 250
     greedy_tokens: int = 96
+    gate_steps: int = 200  # the gate-only stage after training (0: none)
+    gate_lr: float = 1e-3
+    gate_sharpness: float = 50.0  # 1/nats
+    gate_margin: float = 0.005  # nats
 
 
 def model_config(cfg: TrainConfig, vocab_size: int) -> dict:
@@ -243,13 +248,17 @@ def train(cfg: TrainConfig, data: Prepared, device: str, compile_mode: str, max_
     windows = torch.from_numpy(held_out_windows(data.held_out, cfg.context, cfg.eval_windows)).to(device)
     byte_counts = torch.from_numpy(data.byte_counts()).to(device)
     sampler = np.random.default_rng(cfg.seed)
+
+    def next_batch() -> torch.Tensor:
+        starts = torch.from_numpy(sampler.integers(0, len(data.train) - cfg.context - 1, cfg.batch)).to(device)
+        return train_ids[starts[:, None] + offsets]
+
     curve, stopped, done = [], None, 0
     progress.mark("first_step")
     for done in range(1, cfg.steps + 1):
-        starts = torch.from_numpy(sampler.integers(0, len(data.train) - cfg.context - 1, cfg.batch)).to(device)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(done - 1, cfg)
-        loss, expected = step(train_ids[starts[:, None] + offsets])
+        loss, expected = step(next_batch())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=step.on_cuda)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -267,9 +276,9 @@ def train(cfg: TrainConfig, data: Prepared, device: str, compile_mode: str, max_
             print(json.dumps({"held_out": curve[-1]}), flush=True)
             progress.paused()
     progress.mark("train_done")
-    with torch.no_grad():  # evaluate exactly the weights that ship: bfloat16
-        for p in model.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
+    round_to_bf16(model)  # evaluate exactly the weights that ship
+    gate_stage = train_gate(model, cfg, next_batch, step) if cfg.gate_steps else None
+    round_to_bf16(model)
     with step.autocast:
         final = evaluate(model, windows, byte_counts, step.dtype, cfg.beta)
         greedy = greedy_continuations(model, data, cfg.greedy_tokens, device, step.dtype) if cfg.greedy_tokens else []
@@ -283,11 +292,41 @@ def train(cfg: TrainConfig, data: Prepared, device: str, compile_mode: str, max_
         "parameters": sum(p.numel() for p in model.parameters()),
         "steps_run": done, "tokens_seen": done * progress.tokens_per_step,
         "epochs": round(done * progress.tokens_per_step / len(data.train), 2),
-        "timing": progress.timing(), "held_out_eval": final, "held_out_curve": curve, "history": progress.history,
+        "timing": progress.timing(), "gate_stage": gate_stage, "held_out_eval": final, "held_out_curve": curve,
+        "history": progress.history,
         "greedy": {"verdicts": [asdict(v) for v in greedy], "valid": sum(v.is_valid for v in greedy),
                    "target_met": meets_target(greedy) if greedy else None},
     }
     return model, record
+
+
+def round_to_bf16(model) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+
+
+def train_gate(model, cfg: TrainConfig, next_batch, step: LossStep) -> dict:
+    """The gate-only stage: the language model frozen (and without dropout), AdamW on the exit gate
+    alone for cfg.gate_steps batches of `gate_stage_loss`. It changes when tokens exit, not what
+    any loop predicts."""
+    gate = model.model.early_exit_gate
+    model.eval().requires_grad_(False)
+    gate.requires_grad_(True)
+    optimizer = torch.optim.AdamW(gate.parameters(), lr=cfg.gate_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    losses = []
+    for _ in range(cfg.gate_steps):
+        with step.autocast:
+            loss = gate_stage_step(model, next_batch(), step.dtype, cfg.gate_sharpness, cfg.gate_margin)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    model.train().requires_grad_(True)
+    first, last = float(losses[0]), float(torch.stack(losses[-10:]).mean())
+    print(json.dumps({"gate_stage": {"steps": cfg.gate_steps, "loss_first": round(first, 4),
+                                     "loss_last10": round(last, 4)}}), flush=True)
+    return {"steps": cfg.gate_steps, "loss_first": round(first, 4), "loss_last10": round(last, 4)}
 
 
 def write_checkpoint(model, record: dict, data: Prepared, out: Path, device: str, argv: list[str]) -> None:

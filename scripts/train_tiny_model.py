@@ -131,8 +131,43 @@ def evaluate(model, windows: torch.Tensor, byte_counts: torch.Tensor, dtype: tor
         "bpb_expected": round(float(expected) * to_bpb, 4),
         "nats_per_token_per_loop": [round(float(x), 4) for x in loss.mean((1, 2))],
         "mean_exit_loops": round(float((p * depths).sum(0).mean()), 3),
+        "gate_sweep": [{"threshold": t, **threshold_exit(loss, p, t, to_bpb)} for t in SWEEP_THRESHOLDS],
         "windows": int(windows.shape[0]), "scored_tokens": num_tokens, "scored_bytes": num_bytes,
     }
+
+
+SWEEP_THRESHOLDS = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95)
+
+
+def threshold_exit(losses: torch.Tensor, p: torch.Tensor, threshold: float, to_bpb: float) -> dict:
+    """Bits per byte and mean loops when each token exits at the first loop whose exit CDF reaches
+    `threshold` (the engine's `ouro` rule), read off the dense all-loops pass: a preview of
+    `rlt-bench quality`, whose exited tokens' deeper K/V are copies (LAST_EXITED), not recomputed."""
+    exit_index = (p.cumsum(0) < threshold).sum(0).clamp_max(losses.shape[0] - 1)  # [B, T], loop − 1
+    chosen = losses.gather(0, exit_index[None]).squeeze(0)
+    return {"bpb": round(float(chosen.mean()) * to_bpb, 4),
+            "mean_loops": round(float(exit_index.float().mean()) + 1, 3)}
+
+
+def gate_stage_step(model, tokens: torch.Tensor, dtype: torch.dtype, sharpness: float, margin: float) -> torch.Tensor:
+    """`gate_stage_loss` of one batch: the loops and LM head without gradients, the gate with them."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:].reshape(-1)
+    with torch.no_grad():
+        states = loop_states(model, inputs, dtype)
+        losses = torch.stack([F.cross_entropy(model.lm_head(s).float(), targets, reduction="none") for s in states])
+    hazards = torch.stack([model.exit_gate(s).float() for s in states])
+    return gate_stage_loss(losses, hazards, sharpness, margin)
+
+
+def gate_stage_loss(losses: torch.Tensor, hazards: torch.Tensor, sharpness: float, margin: float) -> torch.Tensor:
+    """The gate-only stage's loss (after the Ouro paper's second stage): at each loop d < D the gate
+    should exit when loop d + 1 would improve the token's loss by less than `margin` nats. Target
+    exit probability y_d = σ(sharpness · (margin − (L_d − L_{d+1}))), losses detached; binary
+    cross-entropy of λ_d against y_d, mean over loops d < D and tokens."""
+    improvement = (losses[:-1] - losses[1:]).detach()
+    target = torch.sigmoid(sharpness * (margin - improvement))
+    exit_p = hazards[:-1].float().clamp(1e-6, 1 - 1e-6)  # written out: F.binary_cross_entropy refuses autocast
+    return -(target * exit_p.log() + (1 - target) * (1 - exit_p).log()).mean()
 
 
 @torch.no_grad()

@@ -29,7 +29,8 @@ from rlt_worker.models.loader import load_model
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = Path(resolve_model("tiny-ouro-py"))
 SMALL = ["--hidden", "64", "--layers", "1", "--intermediate", "128", "--context", "64", "--batch", "2",
-         "--warmup", "1", "--eval-windows", "2", "--eval-every", "0", "--greedy-tokens", "4", "--device", "cpu"]
+         "--warmup", "1", "--eval-windows", "2", "--eval-every", "0", "--greedy-tokens", "4", "--gate-steps", "3",
+         "--device", "cpu"]
 
 
 @functools.cache
@@ -166,6 +167,32 @@ def test_exit_distribution_and_objective() -> None:
     assert math.isclose(float(loss), float(expected) - 0.1 * entropy, rel_tol=1e-6)
 
 
+def test_threshold_exit_reads_the_first_loop_whose_cdf_reaches_it() -> None:
+    _train_tiny()  # puts scripts/ on the path
+    from train_tiny_model import threshold_exit
+
+    losses = torch.tensor([4.0, 3.0, 2.0, 1.0])[:, None, None].repeat(1, 1, 2)  # [D, B=1, T=2]
+    p = torch.tensor([[0.6, 0.1], [0.2, 0.1], [0.1, 0.1], [0.1, 0.7]])[:, None, :]
+    assert threshold_exit(losses, p, 0.5, 1.0) == {"bpb": 2.5, "mean_loops": 2.5}  # loops 1 and 4
+    assert threshold_exit(losses, p, 0.7, 1.0) == {"bpb": 2.0, "mean_loops": 3.0}  # loops 2 and 4
+    assert threshold_exit(losses, p, 0.95, 1.0) == {"bpb": 1.0, "mean_loops": 4.0}  # both run every loop
+
+
+def test_gate_stage_loss_wants_an_exit_where_the_next_loop_stops_helping() -> None:
+    """Loop 2 improves the token by a nat, loops 3 and 4 not at all: the loss is lowest for a gate
+    that continues after loop 1 (target ≈ 0) and leans to exiting after loops 2 and 3 (target
+    σ(50 · 0.005) = 0.562), and highest for the opposite gate."""
+    _train_tiny()  # puts scripts/ on the path
+    from train_tiny_model import gate_stage_loss
+
+    losses = torch.tensor([3.0, 2.0, 2.0, 2.0])[:, None, None]
+    def loss_at(*hazards):
+        return float(gate_stage_loss(losses, torch.tensor([*hazards, 0.5])[:, None, None], 50.0, 0.005))
+    best = loss_at(1e-4, 0.5622, 0.5622)
+    assert best < loss_at(1e-4, 0.45, 0.45) and best < loss_at(1e-4, 0.7, 0.7)
+    assert best < loss_at(0.5, 0.5, 0.5) < loss_at(0.99, 0.01, 0.01)
+
+
 def test_lr_warms_up_then_decays_to_a_tenth() -> None:
     train_tiny = _train_tiny()
     cfg = train_tiny.TrainConfig(lr=1.0, warmup=10, steps=110)
@@ -187,6 +214,7 @@ def test_training_is_seeded_and_writes_a_checkpoint_the_engine_serves(prepared: 
     assert first["held_out_eval"] == second["held_out_eval"] and len(first["held_out_eval"]["bpb_per_loop"]) == 4
     assert first["corpus"]["sha256"] == _small_corpus().sha256 and first["stopped_early"] is None
     assert first["compile"] == {"asked": "auto", "used": False, "error": None}  # auto: eager on the CPU
+    assert first["gate_stage"]["steps"] == 3 and len(first["held_out_eval"]["gate_sweep"]) == 6
     assert (trained / "tokenizer.json").read_bytes() == (prepared / "tokenizer.json").read_bytes()
     model = load_model(str(trained), torch.float32, "cpu")
     assert model.info.default_depth == 4 and model.info.max_model_len == 64 and model.info.vocab_size == 320
