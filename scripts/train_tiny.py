@@ -84,7 +84,7 @@ class TrainConfig:
     eval_windows: int = 40
     eval_every: int = 250
     greedy_tokens: int = 96
-    gate_steps: int = 200  # the gate-only stage after training (0: none)
+    gate_steps: int = 0  # the gate-only stage after training (0: none)
     gate_lr: float = 1e-3
     gate_sharpness: float = 50.0  # 1/nats
     gate_margin: float = 0.005  # nats
