@@ -251,11 +251,12 @@ BENCHMARKS = {
     "throughput": "rlt_engine.bench.throughput",
     "ipc": "rlt_engine.bench.ipc",
     "quality": "rlt_engine.bench.quality",
+    "greedy": "rlt_engine.bench.greedy",
 }
 
 
 def bench_main(argv: list[str] | None = None) -> int:
-    """`rlt-bench throughput|ipc|quality …`: run one benchmark (`rlt-bench NAME --help` for its options)."""
+    """`rlt-bench throughput|ipc|quality|greedy …`: run one benchmark (`rlt-bench NAME --help` for its options)."""
     import importlib
 
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -2,11 +2,15 @@
 
 Toy models use bytes (ids 0–255; specials above are dropped from text). A checkpoint
 directory (a shipped one too) brings its own `tokenizer.json`, read with the `tokenizers` library.
+`token_pieces` gives each id's bytes (what bits per byte counts) from the JSON alone, so it also
+works where the `tokenizers` library is missing.
 """
 
 from __future__ import annotations
 
 import codecs
+import functools
+import json
 from pathlib import Path
 from typing import Protocol
 
@@ -125,3 +129,44 @@ def load_tokenizer(model: str) -> Tokenizer:
         return ByteTokenizer()
     path = Path(resolve_model(model)) / "tokenizer.json"
     return HFTokenizer(path) if path.exists() else NoTokenizer()
+
+
+def token_pieces(model: str) -> list[bytes | None]:
+    """Each id's bytes, indexed by id; None for a special token (it has no text). Toy models: the
+    byte itself. A checkpoint: its byte-level BPE `tokenizer.json` (`byte_level_pieces`)."""
+    if model.startswith("toy-"):
+        return [bytes((i,)) for i in range(256)]
+    return byte_level_pieces(Path(resolve_model(model)) / "tokenizer.json")
+
+
+def byte_level_pieces(path: Path) -> list[bytes | None]:
+    """The bytes of every id of a byte-level BPE `tokenizer.json` (GPT-2's printable stand-ins
+    mapped back), read with json alone; None for added tokens. Raises ValueError for any other
+    kind of tokenizer, whose tokens are not byte strings."""
+    spec = json.loads(Path(path).read_text(encoding="utf-8"))
+    decoder = spec.get("decoder") or {}
+    if spec.get("model", {}).get("type") != "BPE" or decoder.get("type") != "ByteLevel":
+        raise ValueError(f"{path}: not a byte-level BPE tokenizer (model {spec.get('model', {}).get('type')!r}, "
+                         f"decoder {decoder.get('type')!r}), so its tokens have no byte strings")
+    added = {t["id"] for t in spec.get("added_tokens", [])}
+    vocab: dict[str, int] = spec["model"]["vocab"]
+    to_byte = {c: b for b, c in bytes_to_unicode().items()}
+    pieces: list[bytes | None] = [None] * (max([*vocab.values(), *added]) + 1)
+    for token, index in vocab.items():
+        if index not in added:
+            pieces[index] = bytes(to_byte[c] for c in token)
+    return pieces
+
+
+@functools.cache
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for every byte (what the ByteLevel pre-tokenizer emits)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, chars), strict=True))

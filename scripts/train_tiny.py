@@ -1,20 +1,30 @@
 """Train `tiny-ouro-py`: a small Ouro-architecture looped model on the Python standard library.
 
-    python scripts/train_tiny.py --out rlt_engine/checkpoints/tiny-ouro-py [--device cuda]
+Two steps, so that the GPU machine needs only torch, numpy and safetensors:
 
-The text is the standard library of the interpreter that runs this script (tests, encoding
-tables and pydoc data left out); the file list, its SHA-256 and the Python version go into
-`training.json` beside the checkpoint. Files whose path hashes to 0 mod 50 are held out.
+    python scripts/train_tiny.py prepare [--data .train/tiny-ouro-py] [--vocab-size 4096]   # needs tokenizers
+    python scripts/train_tiny.py train --data .train/tiny-ouro-py --out DIR [--device cuda] [--steps N]
 
-The model is Ouro's (SPEC §9 names, so the ordinary loader reads it): byte vocabulary with
-<bos> <eos> <pad> above it, D = 4 loops of one shared block. Training is Ouro's stage-1
-objective: at every loop the LM head gives a loss L_d and the exit gate a hazard λ_d; the exit
-distribution p_d = λ_d ∏_{j<d} (1 − λ_j) (the last loop takes the rest) weighs the losses, and
-an entropy bonus keeps the gate from collapsing onto one depth:
+`prepare` (rlt_engine/bench/prepared.py) reads this interpreter's standard library (tests,
+encoding tables and pydoc data left out; files whose path hashes to 0 mod 50 held out), trains a
+byte-level BPE tokenizer on the training files only and writes the token ids, the tokenizer and
+prepared.json (corpus SHA-256, file list) into --data. `train` reads only that directory and
+writes config.json, model.safetensors (bfloat16), tokenizer.json and training.json into --out.
+
+The model is Ouro's (SPEC §9 names, so the ordinary loader reads it), D = 4 loops of one shared
+block. Training is Ouro's stage-1 objective: at every loop the LM head gives a loss L_d and the
+exit gate a hazard λ_d; the exit distribution p_d = λ_d ∏_{j<d} (1 − λ_j) (the last loop takes
+the rest) weighs the losses, and an entropy bonus keeps the gate from collapsing onto one depth:
 
     loss = Σ_d p_d L_d − β H(p)
 
-Everything is seeded: the same command on the same device class reproduces the loss.
+Residual dropout (--dropout, train mode only) regularises the many epochs the small corpus takes.
+On CUDA: bf16 autocast, fused AdamW, torch.compile (falls back to eager if it fails), --max-seconds
+as a safety stop that still evaluates and saves. Everything is seeded: the same command on the same
+device class reproduces the loss (on the CPU bit for bit; on CUDA up to rounding, since some of its
+kernels need not be bit-deterministic). To size a GPU run, probe it: `train ... --steps 30
+--log-every 5` prints the time per step, tokens/s and ETA; scripts/gpu_train_tiny.sh probes and
+then runs.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import argparse
 import hashlib
 import json
 import math
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -30,102 +41,73 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from rlt_engine.bench.corpus import Corpus, held_out_windows, load_corpus
-from rlt_worker.models.base import LayerId
+from rlt_engine.bench.corpus import held_out_windows
+from rlt_engine.bench.greedy import meets_target, report
+from rlt_engine.bench.prepared import BOS, EOS, PAD, Prepared, load_prepared, prepare
 from rlt_worker.models.config import load_config
-from rlt_worker.models.loader import build_model, model_from_state_dict, save_checkpoint
+from rlt_worker.models.loader import model_from_state_dict, save_checkpoint
 from rlt_worker.models.toy import TOY_OURO_CONFIG
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_tiny_model.py, beside this script
+from train_tiny_model import (  # noqa: E402
+    add_residual_dropout,
+    evaluate,
+    exit_distribution,
+    greedy_continuations,
+    initial_weights,
+    ouro_objective,
+    per_loop_losses,
+)
 
-def model_config(hidden: int, layers: int, loops: int, context: int) -> dict:
-    """config.json of the trained model: toy-ouro's (byte vocabulary, special ids, Ouro keys) resized."""
-    heads = hidden // 64
-    return {
-        **TOY_OURO_CONFIG,
-        "hidden_size": hidden,
-        "intermediate_size": 3 * hidden,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": max(1, heads // 2),
-        "head_dim": 64,
-        "max_position_embeddings": context,
-        "total_ut_steps": loops,
-        "layer_types": ["full_attention"] * layers,
-    }
+__all__ = ["exit_distribution", "greedy_continuations", "main", "ouro_objective", "per_loop_losses", "train"]
 
-
-# --------------------------------------------------------------------------- model
-
-
-class CausalContext:
-    """Dense causal attention over [batch, length] rows, for training: every loop attends to the
-    same loop's K/V of earlier positions, which is what both KV layouts read when every
-    position runs all D loops."""
-
-    def __init__(self, batch: int, length: int) -> None:
-        self.batch, self.length = batch, length
-
-    def attend(self, layer: LayerId, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        b, t = self.batch, self.length
-        q, k, v = (x.view(b, t, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q, k, v))
-        group = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return out.transpose(1, 2).reshape(b * t, q.shape[1], q.shape[3])
-
-
-def per_loop_losses(model, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-entropy per loop [D, B, T] (nats) and exit hazards λ [D, B, T] for next-token targets."""
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    b, t = inputs.shape
-    ctx = CausalContext(b, t)
-    positions = torch.arange(t, device=tokens.device).repeat(b)
-    embedded = model.embed(inputs.reshape(-1), positions, ctx)
-    state = model.init_state(embedded, None)
-    losses, hazards = [], []
-    for _ in range(model.info.default_depth):
-        state = model.loop(state, embedded, positions, ctx)
-        logits = model.lm_head(state).float()
-        losses.append(F.cross_entropy(logits, targets.reshape(-1), reduction="none").view(b, t))
-        hazards.append(model.exit_gate(state).float().view(b, t))
-    return torch.stack(losses), torch.stack(hazards)
-
-
-def exit_distribution(hazards: torch.Tensor) -> torch.Tensor:
-    """p_d = λ_d ∏_{j<d} (1 − λ_j) for d < D; the last loop takes what remains. [D, B, T]."""
-    survive = torch.cumprod(1.0 - hazards, dim=0)
-    before = torch.cat([torch.ones_like(survive[:1]), survive[:-1]])
-    exits = before * hazards
-    return torch.cat([exits[:-1], before[-1:]])
-
-
-def ouro_objective(losses: torch.Tensor, hazards: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(training loss, expected loss under the exit distribution) — both means over tokens."""
-    p = exit_distribution(hazards)
-    expected = (p * losses).sum(0).mean()
-    entropy = -(p * torch.log(p.clamp_min(1e-9))).sum(0).mean()
-    return expected - beta * entropy, expected
-
-
-# --------------------------------------------------------------------------- training
+DEFAULT_DATA = ".train/tiny-ouro-py"
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    hidden: int = 256
-    layers: int = 4
+    hidden: int = 512
+    layers: int = 3
+    intermediate: int = 1024
     loops: int = 4
-    context: int = 256
-    batch: int = 16
-    steps: int = 500
-    lr: float = 3e-3
-    warmup: int = 50
+    context: int = 1024
+    batch: int = 32
+    steps: int = 2000
+    lr: float = 2e-3
+    warmup: int = 100
     weight_decay: float = 0.1
+    dropout: float = 0.1
     beta: float = 0.05
     seed: int = 0
-    eval_windows: int = 64
+    eval_windows: int = 40
+    eval_every: int = 250
+    greedy_tokens: int = 96
+
+
+def model_config(cfg: TrainConfig, vocab_size: int) -> dict:
+    """config.json of the trained model: toy-ouro's keys resized, 64-wide heads, half as many KV heads."""
+    heads = cfg.hidden // 64
+    return {
+        **TOY_OURO_CONFIG,
+        "hidden_size": cfg.hidden,
+        "intermediate_size": cfg.intermediate,
+        "num_hidden_layers": cfg.layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // 2),
+        "head_dim": 64,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": cfg.context,
+        "total_ut_steps": cfg.loops,
+        "layer_types": ["full_attention"] * cfg.layers,
+        "bos_token_id": BOS,
+        "eos_token_id": EOS,
+        "pad_token_id": PAD,
+        "torch_dtype": "bfloat16",
+    }
+
+
+# --------------------------------------------------------------------------- training
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -136,154 +118,233 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
-def initial_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded initial weights: normal(0, 1/√fan_in) matrices, unit norms, a gate that starts near λ = 0.5."""
-    generator = torch.Generator().manual_seed(seed)
-    state = {}
-    for name, tensor in build_model(load_config(config)).state_dict().items():
-        if name.endswith("norm.weight") or "layernorm" in name:
-            state[name] = torch.ones(tensor.shape)
-        elif name == "model.early_exit_gate.bias":
-            state[name] = torch.zeros(tensor.shape)
-        elif name == "model.embed_tokens.weight":
-            state[name] = torch.randn(tensor.shape, generator=generator)
+class LossStep:
+    """Forward and backward of one batch under the Ouro objective, through torch.compile when asked
+    (auto: on CUDA). A compiler failure is reported (`compile` records it) and the same batch is run
+    again eagerly, as is every later one."""
+
+    def __init__(self, model, cfg: TrainConfig, device: str, compile_mode: str) -> None:
+        self.model, self.beta = model, cfg.beta
+        self.on_cuda = device.startswith("cuda")
+        self.dtype = torch.bfloat16 if self.on_cuda else torch.float32
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.on_cuda
+                         else torch.autocast("cpu", enabled=False))
+        use = compile_mode == "on" or (compile_mode == "auto" and self.on_cuda)
+        self.fn = torch.compile(self.eager, dynamic=False) if use else self.eager
+        self.compile = {"asked": compile_mode, "used": use, "error": None}
+
+    def eager(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        losses, hazards = per_loop_losses(self.model, tokens, self.dtype)
+        return ouro_objective(losses, hazards, self.beta)
+
+    def __call__(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, expected loss) of the batch, its gradients accumulated into the parameters."""
+        try:
+            with self.autocast:
+                loss, expected = self.fn(tokens)
+            loss.backward()
+        except Exception as exc:
+            if self.fn == self.eager:
+                raise
+            self.compile.update(used=False, error=f"{type(exc).__name__}: {str(exc)[:500]}")
+            print(f"torch.compile failed, continuing eagerly: {self.compile['error']}", flush=True)
+            torch._dynamo.reset()
+            self.fn = self.eager
+            self.model.zero_grad(set_to_none=True)
+            return self(tokens)
+        return loss, expected
+
+
+class Progress:
+    """The log: a JSON row every `every` steps (loss, lr, step time, tokens/s, ETA), and the run's
+    timing. The step time is the median over the intervals between log rows after the first step
+    (which compiles), so neither the compile nor a slow warm-up interval skews it."""
+
+    def __init__(self, cfg: TrainConfig, every: int) -> None:
+        self.cfg, self.every = cfg, every
+        self.marks = {"start": time.monotonic()}
+        self.intervals: list[float] = []  # seconds per step of each interval
+        self.history: list[dict] = []
+        self._last = (0, 0.0)  # (step, time) of the last row
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = time.monotonic()
+
+    def elapsed(self) -> float:
+        """Seconds since the first step began."""
+        return time.monotonic() - self.marks["first_step"]
+
+    def step_s(self) -> float | None:
+        return float(np.median(self.intervals)) if self.intervals else None
+
+    def due(self, done: int) -> bool:
+        return done == 1 or done % self.every == 0 or done == self.cfg.steps
+
+    def log(self, done: int, loss: torch.Tensor, expected: torch.Tensor, lr: float) -> None:
+        row = {"step": done, "loss": round(loss.item(), 4), "expected_nats": round(expected.item(), 4),
+               "lr": round(lr, 6)}  # .item() waits for the step, so the times below are the device's
+        now = time.monotonic()
+        if done == 1:
+            self.marks["first_step_done"] = now
         else:
-            std = 1.0 / math.sqrt(tensor.shape[-1])
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                std /= math.sqrt(2 * config["num_hidden_layers"] * config["total_ut_steps"])
-            state[name] = torch.randn(tensor.shape, generator=generator) * std
-    return state
+            self.intervals.append((now - self._last[1]) / (done - self._last[0]))
+        self._last = (done, now)
+        row["elapsed_s"] = round(now - self.marks["first_step"], 1)
+        step_s = self.step_s()
+        if step_s:
+            row |= {"ms_per_step": round(step_s * 1e3, 1), "tokens_per_s": round(self.tokens_per_step / step_s),
+                    "eta_s": round((self.cfg.steps - done) * step_s, 1)}
+        self.history.append(row)
+        print(json.dumps(row), flush=True)
+
+    def paused(self) -> None:
+        """Time since the last row (an evaluation) is not step time."""
+        self._last = (self._last[0], time.monotonic())
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.batch * self.cfg.context
+
+    def timing(self) -> dict:
+        m, step_s = self.marks, self.step_s()
+        return {"setup_s": round(m["first_step"] - m["start"], 1),
+                "first_step_s": round(m.get("first_step_done", m["train_done"]) - m["first_step"], 1),
+                "step_s": round(step_s, 5) if step_s else None,
+                "tokens_per_s": round(self.tokens_per_step / step_s) if step_s else None,
+                "train_s": round(m["train_done"] - m["first_step"], 1),
+                "eval_s": round(m["eval_done"] - m["train_done"], 1)}
 
 
-@torch.no_grad()
-def evaluate(model, windows: torch.Tensor, beta: float) -> dict:
-    """Bits per byte at each fixed depth and under the exit distribution, on the held-out windows."""
-    model.eval()
-    losses, hazards = [], []
-    for chunk in windows.split(16):
-        loss, hazard = per_loop_losses(model, chunk)
-        losses.append(loss)
-        hazards.append(hazard)
-    model.train()
-    loss, hazard = torch.cat(losses, 1), torch.cat(hazards, 1)
-    _, expected = ouro_objective(loss, hazard, beta)
-    p = exit_distribution(hazard)
-    depths = torch.arange(1, loss.shape[0] + 1, dtype=p.dtype, device=p.device)[:, None, None]
-    to_bits = 1 / math.log(2)
-    return {
-        "bpb_per_loop": [round(float(x) * to_bits, 4) for x in loss.mean((1, 2))],
-        "bpb_expected": round(float(expected) * to_bits, 4),
-        "mean_exit_loops": round(float((p * depths).sum(0).mean()), 3),
-    }
-
-
-def train(cfg: TrainConfig, device: str, corpus: Corpus, log_every: int) -> tuple[torch.nn.Module, dict, list]:
-    """(trained model, held-out evaluation, logged history): AdamW on random training windows
-    drawn by a generator seeded with cfg.seed, bf16 autocast on CUDA, float32 on the CPU."""
-    torch.manual_seed(cfg.seed)
-    config = model_config(cfg.hidden, cfg.layers, cfg.loops, cfg.context)
+def new_model(cfg: TrainConfig, vocab_size: int, device: str):
+    """(model, optimizer, config.json dict): seeded initial weights in float32, residual dropout, fused
+    AdamW on CUDA (weight decay on matrices only)."""
+    config = model_config(cfg, vocab_size)
     model = model_from_state_dict(load_config(config), initial_weights(config, cfg.seed), torch.float32, device)
     model.train().requires_grad_(True)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    add_residual_dropout(model, cfg.dropout)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+        lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.startswith("cuda"),
     )
+    return model, optimizer, config
+
+
+def train(cfg: TrainConfig, data: Prepared, device: str, compile_mode: str, max_seconds: float, log_every: int):
+    """(model, record): AdamW on windows drawn by a generator seeded with cfg.seed, bf16 autocast on CUDA."""
+    progress = Progress(cfg, log_every)
+    torch.manual_seed(cfg.seed)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    model, optimizer, config = new_model(cfg, data.vocab_size, device)
+    step = LossStep(model, cfg, device, compile_mode)
+    train_ids = torch.from_numpy(data.train.astype(np.int64)).to(device)
+    offsets = torch.arange(cfg.context + 1, device=device)
+    windows = torch.from_numpy(held_out_windows(data.held_out, cfg.context, cfg.eval_windows)).to(device)
+    byte_counts = torch.from_numpy(data.byte_counts()).to(device)
     sampler = np.random.default_rng(cfg.seed)
-    windows = torch.from_numpy(held_out_windows(corpus.held_out, cfg.context, cfg.eval_windows)).to(device)
-    history = []
-    start = time.monotonic()
-    on_cuda = device.startswith("cuda")
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_cuda else torch.autocast("cpu", enabled=False)
-    for step in range(cfg.steps):
-        starts = sampler.integers(0, len(corpus.train) - cfg.context - 1, cfg.batch)
-        batch = np.stack([corpus.train[s : s + cfg.context + 1] for s in starts]).astype(np.int64)
-        tokens = torch.from_numpy(batch).to(device)
+    curve, stopped, done = [], None, 0
+    progress.mark("first_step")
+    for done in range(1, cfg.steps + 1):
+        starts = torch.from_numpy(sampler.integers(0, len(data.train) - cfg.context - 1, cfg.batch)).to(device)
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        with autocast:
-            losses, hazards = per_loop_losses(model, tokens)
-            loss, expected = ouro_objective(losses, hazards, cfg.beta)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            group["lr"] = lr_at(done - 1, cfg)
+        loss, expected = step(train_ids[starts[:, None] + offsets])
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=step.on_cuda)
         optimizer.step()
-        if step % log_every == 0 or step == cfg.steps - 1:
-            row = {"step": step, "loss": round(loss.item(), 4), "expected_bpb": round(expected.item() / math.log(2), 4),
-                   "elapsed_s": round(time.monotonic() - start, 1)}
-            history.append(row)
-            print(json.dumps(row), flush=True)
-    with autocast:
-        final = evaluate(model, windows, cfg.beta)
-    final["train_seconds"] = round(time.monotonic() - start, 1)
-    return model, final, history
+        optimizer.zero_grad(set_to_none=True)
+        out_of_time = progress.elapsed() >= max_seconds
+        if progress.due(done) or out_of_time:
+            progress.log(done, loss, expected, lr_at(done - 1, cfg))
+        if out_of_time:
+            stopped = {"at_step": done, "of_steps": cfg.steps, "reason": f"--max-seconds {max_seconds:g} reached"}
+            print(f"stopping early: {stopped['reason']} after {done} of {cfg.steps} steps", flush=True)
+            break
+        if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
+            with step.autocast:
+                point = evaluate(model, windows, byte_counts, step.dtype, cfg.beta)
+            curve.append({"step": done, "bpb_per_loop": point["bpb_per_loop"], "bpb_expected": point["bpb_expected"]})
+            print(json.dumps({"held_out": curve[-1]}), flush=True)
+            progress.paused()
+    progress.mark("train_done")
+    with torch.no_grad():  # evaluate exactly the weights that ship: bfloat16
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    with step.autocast:
+        final = evaluate(model, windows, byte_counts, step.dtype, cfg.beta)
+        greedy = greedy_continuations(model, data, cfg.greedy_tokens, device, step.dtype) if cfg.greedy_tokens else []
+    progress.mark("eval_done")
+    print(json.dumps({"held_out_eval": final}), flush=True)
+    if greedy:
+        print(report(greedy), flush=True)
+    record = {
+        "train_config": asdict(cfg), "model_config": config, "compile": step.compile,
+        "max_seconds": None if math.isinf(max_seconds) else max_seconds, "stopped_early": stopped,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "steps_run": done, "tokens_seen": done * progress.tokens_per_step,
+        "epochs": round(done * progress.tokens_per_step / len(data.train), 2),
+        "timing": progress.timing(), "held_out_eval": final, "held_out_curve": curve, "history": progress.history,
+        "greedy": {"verdicts": [asdict(v) for v in greedy], "valid": sum(v.is_valid for v in greedy),
+                   "target_met": meets_target(greedy) if greedy else None},
+    }
+    return model, record
+
+
+def write_checkpoint(model, record: dict, data: Prepared, out: Path, device: str, argv: list[str]) -> None:
+    """config.json, model.safetensors (bfloat16), the data's tokenizer.json and training.json."""
+    save_checkpoint(model.to("cpu", torch.bfloat16), out, record["model_config"])
+    shutil.copyfile(data.tokenizer_path, out / "tokenizer.json")
+    weights = (out / "model.safetensors").read_bytes()
+    meta = data.meta
+    record = {
+        **record,
+        "command": ["scripts/train_tiny.py", *argv],
+        "device": device, "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+        "torch": torch.__version__, "python": sys.version.split()[0],
+        "corpus": meta["corpus"], "tokenizer": meta["tokenizer"],
+        "data": {"train_tokens": meta["train_tokens"], "held_out_tokens": meta["held_out_tokens"]},
+        "model_safetensors_sha256": hashlib.sha256(weights).hexdigest(),
+        "model_safetensors_bytes": len(weights),
+    }
+    (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {out} ({len(weights) / 1e6:.1f} MB of weights, {record['parameters'] / 1e6:.2f} M parameters)",
+          flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="checkpoint directory to write")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
-    parser.add_argument("--log-every", type=int, default=50)
+    commands = parser.add_subparsers(dest="command", required=True)
+    prep = commands.add_parser("prepare", help="corpus, tokenizer and token ids into --data (needs tokenizers)")
+    prep.add_argument("--data", default=DEFAULT_DATA)
+    prep.add_argument("--vocab-size", type=int, default=4096)
+    run = commands.add_parser("train", help="train from --data, write the checkpoint into --out")
+    run.add_argument("--data", default=DEFAULT_DATA)
+    run.add_argument("--out", required=True, help="checkpoint directory to write")
+    run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    run.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    run.add_argument("--log-every", type=int, default=50)
+    run.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="torch.compile (auto: on CUDA)")
+    run.add_argument("--max-seconds", type=float, default=math.inf,
+                     help="stop and save once training (from the first step) has run this long")
     for field, default in asdict(TrainConfig()).items():
-        parser.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default)
+        run.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default)
     args = parser.parse_args(argv)
+    if args.command == "prepare":
+        data = prepare(args.data, args.vocab_size)
+        print(f"wrote {args.data}: {len(data.train):,} training tokens, {len(data.held_out):,} held out, "
+              f"vocab {data.vocab_size}, corpus sha256 {data.meta['corpus']['sha256']}")
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = TrainConfig(**{f: getattr(args, f) for f in asdict(TrainConfig())})
-    corpus = load_corpus()
-    print(f"corpus: {len(corpus.files)} files, {len(corpus.train):,} train bytes, {len(corpus.held_out):,} held out, "
-          f"sha256 {corpus.sha256[:16]}…", flush=True)
-    model, final, history = train(cfg, args.device, corpus, args.log_every)
-    print(json.dumps(final), flush=True)
-    out = Path(args.out)
-    save_checkpoint(model.to("cpu"), out)
-    write_tokenizer(out / "tokenizer.json")
-    weights = (out / "model.safetensors").read_bytes()
-    record = {
-        "train_config": asdict(cfg),
-        "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-        "corpus": {"files": corpus.files, "sha256": corpus.sha256, "train_bytes": int(len(corpus.train)),
-                   "held_out_bytes": int(len(corpus.held_out)), "held_out_rule": corpus.held_out_rule},
-        "held_out_eval": final,
-        "history": history,
-        "model_safetensors_sha256": hashlib.sha256(weights).hexdigest(),
-    }
-    (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {out} ({len(weights) / 1e6:.1f} MB of weights)")
+    data = load_prepared(args.data)
+    print(f"data: {len(data.train):,} training tokens, {len(data.held_out):,} held out, vocab {data.vocab_size}, "
+          f"corpus sha256 {data.meta['corpus']['sha256'][:16]}…; {cfg.steps} steps × {cfg.batch} × {cfg.context} "
+          f"= {cfg.steps * cfg.batch * cfg.context / len(data.train):.1f} epochs", flush=True)
+    model, record = train(cfg, data, args.device, args.compile, args.max_seconds, args.log_every)
+    write_checkpoint(model, record, data, Path(args.out), args.device, argv)
     return 0
-
-
-def write_tokenizer(path: Path) -> None:
-    """A `tokenizers` tokenizer.json whose ids are the bytes themselves, with <bos> <eos> <pad> at 256–258."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    byte_chars = _bytes_to_unicode()
-    vocab = {byte_chars[b]: b for b in range(256)}
-    assert set(vocab) == set(alphabet)
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in ("<bos>", "<eos>", "<pad>")])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(path))
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in for every byte (what the ByteLevel pre-tokenizer emits)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = printable[:]
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return dict(zip(printable, map(chr, chars), strict=True))
 
 
 if __name__ == "__main__":

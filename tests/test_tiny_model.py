@@ -1,4 +1,4 @@
-"""The shipped trained model `tiny-ouro-py`, its training script and `rlt-bench quality`."""
+"""The shipped trained model `tiny-ouro-py`, its training script and `rlt-bench quality` / `greedy`."""
 
 from __future__ import annotations
 
@@ -10,17 +10,26 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from rlt_engine.bench.quality import QualityRow, gate_against_fixed
+from protocol.messages import SamplingParams
+from rlt_engine.bench.corpus import StdlibText, held_out_windows, is_held_out, read_stdlib
+from rlt_engine.bench.greedy import PROMPTS, continue_prompts, judge, meets_target
+from rlt_engine.bench.held_out import held_out_for
+from rlt_engine.bench.prepared import EOS, load_prepared, prepare
+from rlt_engine.bench.quality import QualityRow, depth_verdict, gate_against_fixed, score, target_verdict
 from rlt_engine.checkpoints import DEFAULT_MODEL, resolve_model
 from rlt_engine.cli import main
-from rlt_engine.tokenizer import load_tokenizer
+from rlt_engine.llm import LLM
+from rlt_engine.tokenizer import HFTokenizer, byte_level_pieces, load_tokenizer
 from rlt_worker.models.loader import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = Path(resolve_model("tiny-ouro-py"))
+SMALL = ["--hidden", "64", "--layers", "1", "--intermediate", "128", "--context", "64", "--batch", "2",
+         "--warmup", "1", "--eval-windows", "2", "--eval-every", "0", "--greedy-tokens", "4", "--device", "cpu"]
 
 
 @functools.cache
@@ -33,22 +42,52 @@ def _train_tiny():
     return module
 
 
+@functools.cache
+def _small_corpus() -> StdlibText:
+    """40 training files and 3 held-out files of this interpreter's standard library."""
+    full = read_stdlib()
+    train = [i for i, f in enumerate(full.files) if not is_held_out(f)][:40]
+    held = [i for i, f in enumerate(full.files) if is_held_out(f)][:3]
+    keep = sorted(train + held)
+    return StdlibText([full.files[i] for i in keep], [full.texts[i] for i in keep], "small-" + full.sha256)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> Path:
+    return prepare(tmp_path_factory.mktemp("data"), 320, _small_corpus()).directory
+
+
+@pytest.fixture(scope="module")
+def trained(prepared: Path, tmp_path_factory) -> Path:
+    """A checkpoint of the small configuration trained for a few CPU steps from the prepared data."""
+    out = tmp_path_factory.mktemp("ckpt") / "small"
+    assert _train_tiny().main(["train", "--data", str(prepared), "--out", str(out), *SMALL, "--steps", "4"]) == 0
+    return out
+
+
+# --------------------------------------------------------------------------- the shipped checkpoint
+
+
 def test_the_default_model_is_the_shipped_checkpoint() -> None:
     assert DEFAULT_MODEL == "tiny-ouro-py"
     assert SHIPPED.is_dir() and SHIPPED.parent == ROOT / "rlt_engine" / "checkpoints"
     assert resolve_model("toy-ouro") == "toy-ouro"  # anything else passes through
 
 
-def test_shipped_checkpoint_matches_its_training_record() -> None:
-    """Ouro layout within the issue's bounds, ≤ 20 MB, and the weights' SHA-256 is the one recorded."""
+def test_shipped_checkpoint_meets_issue_20_bounds_and_its_training_record() -> None:
+    """Ouro with its gate, D = 4, ≥ 1,024 positions, ≤ 24 MB of weights whose SHA-256 is the recorded
+    one, a byte-level BPE tokenizer.json of the model's vocabulary, trained on the corpus it names."""
     config = json.loads((SHIPPED / "config.json").read_text())
     record = json.loads((SHIPPED / "training.json").read_text())
     weights = (SHIPPED / "model.safetensors").read_bytes()
     assert config["model_type"] == "ouro" and config["total_ut_steps"] == 4
-    assert 256 <= config["hidden_size"] <= 384 and 4 <= config["num_hidden_layers"] <= 6
-    assert sum(p.stat().st_size for p in SHIPPED.iterdir()) <= 20 * 2**20
+    assert config["max_position_embeddings"] >= 1024
+    assert len(weights) <= 24_000_000
     assert hashlib.sha256(weights).hexdigest() == record["model_safetensors_sha256"]
+    pieces = byte_level_pieces(SHIPPED / "tokenizer.json")
+    assert len(pieces) == config["vocab_size"] and sum(p is not None and len(p) > 1 for p in pieces) > 0  # merges
     assert record["corpus"]["files"] and len(record["corpus"]["sha256"]) == 64
+    assert len(record["held_out_eval"]["bpb_per_loop"]) == 4 and record["device_name"]
 
 
 def test_shipped_checkpoint_loads_through_the_ordinary_loader() -> None:
@@ -56,8 +95,59 @@ def test_shipped_checkpoint_loads_through_the_ordinary_loader() -> None:
     assert model.info.family == "ouro" and model.info.has_exit_gate
     tokenizer = load_tokenizer("tiny-ouro-py")
     text = "def f(x):\n\treturn x  # é\n"
-    assert tokenizer.encode(text) == list(text.encode())  # ids are the bytes
-    assert tokenizer.decode([*text.encode(), 256, 257, 258]) == text  # specials print nothing
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids) == text and max(ids) < model.info.vocab_size
+    specials = sorted({*model.info.eos_token_ids, model.config.bos_token_id, model.config.pad_token_id})
+    assert tokenizer.decode([*ids, *specials]) == text  # specials print nothing
+
+
+@pytest.mark.timeout(600)
+def test_shipped_model_continues_python_prompts_with_valid_python() -> None:
+    """Issue 20: greedy, 96 tokens, ≥ 4 of the 6 prompts give valid Python (cut at the last complete
+    line) and none only whitespace, through the engine on the CPU."""
+    with LLM(DEFAULT_MODEL, workers=0, device="cpu") as llm:
+        verdicts = continue_prompts(llm)
+    assert meets_target(verdicts), "\n".join(f"{v.prompt!r} + {v.continuation!r}: {v.error or 'valid'}"
+                                             for v in verdicts)
+
+
+# --------------------------------------------------------------------------- the greedy check itself
+
+
+def test_greedy_judge_cuts_at_the_last_complete_line() -> None:
+    assert judge("def f(n):", "\n    return n\n\ndef g(", ended=False).is_valid  # the partial line is cut
+    assert judge("import os", "\nimport re", ended=True).is_valid  # <eos>: the whole text counts
+    assert not judge("import os", "\nimport re", ended=False).is_valid  # nothing of it is complete
+    assert judge("def f(n):", "\n\n\n   ", ended=False).error == "only whitespace"
+    assert judge("def f(n):", "2121", ended=False).error == "no complete line of code"
+    assert "indented block" in judge("def f(n):", "\n    return n\n\ndef g(x):\n  y", ended=False).error
+    valid, blank = judge("x = 1", "\ny = 2\n", False), judge("x = 1", "  ", False)
+    assert meets_target([valid] * 4 + [judge("x", "(\n", False)] * 2)
+    assert not meets_target([valid] * 3 + [judge("x", "(\n", False)] * 3)
+    assert not meets_target([valid] * 5 + [blank])
+    assert len(PROMPTS) == 6
+
+
+# --------------------------------------------------------------------------- prepare and train
+
+
+def test_prepare_is_deterministic_and_its_ids_are_the_text(prepared: Path, tmp_path: Path) -> None:
+    """The same corpus gives the same tokenizer and ids; the ids decode to the files, the tokenizer
+    never saw a held-out file, and the byte counts add up to the text."""
+    again = prepare(tmp_path / "again", 320, _small_corpus())
+    first = load_prepared(prepared)
+    assert (prepared / "tokenizer.json").read_bytes() == (again.directory / "tokenizer.json").read_bytes()
+    assert np.array_equal(first.train, again.train) and np.array_equal(first.held_out, again.held_out)
+    corpus = _small_corpus()
+    train_texts, held_texts = corpus.split()
+    assert first.decode(first.train.tolist()) == b"".join(train_texts).decode()
+    assert first.decode(first.held_out.tolist()) == b"".join(held_texts).decode()
+    assert int((first.held_out == EOS).sum()) == len(held_texts)  # one <eos> per file
+    assert first.byte_counts()[first.held_out].sum() == sum(map(len, held_texts)) + len(held_texts)
+    assert first.meta["corpus"]["sha256"] == corpus.sha256 and first.vocab_size == 320
+    assert len(first.train) < 0.75 * sum(map(len, train_texts))  # BPE: tokens of several bytes
+    tokenizer = HFTokenizer(prepared / "tokenizer.json")
+    assert [p["ids"] for p in first.meta["greedy_prompts"]] == [tokenizer.encode(p) for p in PROMPTS]
 
 
 def test_exit_distribution_and_objective() -> None:
@@ -73,35 +163,134 @@ def test_exit_distribution_and_objective() -> None:
     assert math.isclose(float(loss), float(expected) - 0.1 * entropy, rel_tol=1e-6)
 
 
-@pytest.mark.timeout(300)
-def test_training_script_is_seeded_and_writes_a_loadable_checkpoint(tmp_path: Path) -> None:
-    """Two steps of a small configuration, twice: the same losses, and a checkpoint the loader reads."""
+def test_lr_warms_up_then_decays_to_a_tenth() -> None:
     train_tiny = _train_tiny()
-    args = ["--hidden", "64", "--layers", "1", "--context", "32", "--batch", "2", "--steps", "2", "--warmup", "1",
-            "--eval-windows", "2", "--device", "cpu"]
-    records = []
-    for run in ("a", "b"):
-        assert train_tiny.main(["--out", str(tmp_path / run), *args]) == 0
-        records.append(json.loads((tmp_path / run / "training.json").read_text()))
-    assert records[0]["history"] == [{**row, "elapsed_s": records[0]["history"][i]["elapsed_s"]}
-                                     for i, row in enumerate(records[1]["history"])]
-    assert records[0]["model_safetensors_sha256"] == records[1]["model_safetensors_sha256"]
-    assert len(records[0]["held_out_eval"]["bpb_per_loop"]) == 4
-    model = load_model(str(tmp_path / "a"), torch.float32, "cpu")
-    assert model.info.default_depth == 4 and model.info.max_model_len == 32
+    cfg = train_tiny.TrainConfig(lr=1.0, warmup=10, steps=110)
+    assert train_tiny.lr_at(0, cfg) == pytest.approx(0.1) and train_tiny.lr_at(9, cfg) == pytest.approx(1.0)
+    assert train_tiny.lr_at(60, cfg) == pytest.approx(0.55) and train_tiny.lr_at(110, cfg) == pytest.approx(0.1)
+
+
+@pytest.mark.timeout(300)
+def test_training_is_seeded_and_writes_a_checkpoint_the_engine_serves(prepared: Path, trained: Path,
+                                                                      tmp_path: Path, capsys) -> None:
+    """The same command twice gives the same losses and weights; the checkpoint (bf16 weights, the
+    data's tokenizer) loads through the ordinary loader and generates through LLM and rlt-generate."""
+    again = tmp_path / "again"
+    assert _train_tiny().main(["train", "--data", str(prepared), "--out", str(again), *SMALL, "--steps", "4"]) == 0
+    first, second = (json.loads((d / "training.json").read_text()) for d in (trained, again))
+    strip = lambda rows: [{k: v for k, v in r.items() if k == "step" or "loss" in k or "nats" in k} for r in rows]  # noqa: E731
+    assert strip(first["history"]) == strip(second["history"]) and len(first["history"]) >= 2
+    assert first["model_safetensors_sha256"] == second["model_safetensors_sha256"]
+    assert first["held_out_eval"] == second["held_out_eval"] and len(first["held_out_eval"]["bpb_per_loop"]) == 4
+    assert first["corpus"]["sha256"] == _small_corpus().sha256 and first["stopped_early"] is None
+    assert first["compile"] == {"asked": "auto", "used": False, "error": None}  # auto: eager on the CPU
+    assert (trained / "tokenizer.json").read_bytes() == (prepared / "tokenizer.json").read_bytes()
+    model = load_model(str(trained), torch.float32, "cpu")
+    assert model.info.default_depth == 4 and model.info.max_model_len == 64 and model.info.vocab_size == 320
+    with LLM(str(trained), workers=0, device="cpu") as llm:
+        out = llm.generate(["def f(x):"], SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)[0]
+    assert len(out.token_ids) == 6 or out.finish_reason == "stop"
+    assert out.text == load_tokenizer(str(trained)).decode(out.token_ids)
+    capsys.readouterr()
+    assert main(["generate", "--offline", "--model", str(trained), "--device", "cpu", "--temperature", "0",
+                 "--max-tokens", "6", "def f(x):"]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == out.text.rstrip("\n")
+
+
+@pytest.mark.timeout(300)
+def test_max_seconds_stops_early_and_still_saves(prepared: Path, tmp_path: Path) -> None:
+    """--max-seconds 0: the run stops after its first step, says so, and writes a loadable checkpoint."""
+    out = tmp_path / "stopped"
+    assert _train_tiny().main(["train", "--data", str(prepared), "--out", str(out), *SMALL, "--steps", "50",
+                               "--max-seconds", "0"]) == 0
+    record = json.loads((out / "training.json").read_text())
+    assert record["stopped_early"]["at_step"] == 1 and record["stopped_early"]["of_steps"] == 50
+    assert record["steps_run"] == 1 and "--max-seconds" in record["stopped_early"]["reason"]
+    assert load_model(str(out), torch.float32, "cpu").info.default_depth == 4
+
+
+@pytest.mark.timeout(300)
+def test_a_failing_compile_falls_back_to_eager(prepared: Path, trained: Path, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.compile raising at the first step: the run says so and trains eagerly, as --compile off does."""
+    def broken(fn, **kwargs):
+        def compiled(*args):
+            raise RuntimeError("inductor: no compiler here")
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", broken)
+    out = tmp_path / "fallback"
+    assert _train_tiny().main(["train", "--data", str(prepared), "--out", str(out), *SMALL, "--steps", "4",
+                               "--compile", "on"]) == 0
+    record = json.loads((out / "training.json").read_text())
+    assert record["compile"]["used"] is False and "no compiler here" in record["compile"]["error"]
+    reference = json.loads((trained / "training.json").read_text())
+    assert record["model_safetensors_sha256"] == reference["model_safetensors_sha256"]
+
+
+@pytest.mark.timeout(300)
+def test_the_trainers_greedy_check_matches_the_engine(prepared: Path, trained: Path) -> None:
+    """The trainer's own greedy continuations (no engine, no tokenizers: what the GPU machine prints)
+    are the engine's, in float64."""
+    train_tiny = _train_tiny()
+    data = load_prepared(prepared)
+    model = load_model(str(trained), torch.float64, "cpu")
+    mine = train_tiny.greedy_continuations(model, data, 8, "cpu", torch.float64)
+    with LLM(str(trained), workers=0, device="cpu", dtype="float64") as llm:
+        engine = continue_prompts(llm, max_tokens=8)
+    assert [(v.continuation, v.ended) for v in mine] == [(v.continuation, v.ended) for v in engine]
+
+
+# --------------------------------------------------------------------------- rlt-bench quality
 
 
 @pytest.mark.timeout(300)
 def test_quality_bench_scores_held_out_text_with_the_engine(tmp_path: Path) -> None:
-    """`rlt-bench quality` on toy-ouro: fixed d runs exactly d loops per byte; the gate in between."""
+    """`rlt-bench quality` on toy-ouro: fixed d runs exactly d loops per token; the gate in between."""
     out = tmp_path / "quality.json"
     code = main(["bench", "quality", "--model", "toy-ouro", "--device", "cpu", "--windows", "3", "--length", "6",
                  "--loops", "1,4", "--thresholds", "0.5", "--json", str(out)])
     assert code == 0
-    rows = {(r["policy"], r["setting"]): r for r in json.loads(out.read_text())["rows"]}
+    report = json.loads(out.read_text())
+    rows = {(r["policy"], r["setting"]): r for r in report["rows"]}
     assert rows["fixed", 1.0]["mean_loops"] == 1.0 and rows["fixed", 4.0]["mean_loops"] == 4.0
     assert 1.0 <= rows["ouro", 0.5]["mean_loops"] <= 4.0
-    assert all(r["scored_bytes"] == 3 * 5 and math.isfinite(r["bits_per_byte"]) for r in rows.values())
+    assert all(r["scored_bytes"] == r["scored_tokens"] == 3 * 5 and math.isfinite(r["bits_per_byte"])
+               for r in rows.values())  # a byte model: one byte per token
+    assert len(report["corpus_sha256"]) == 64
+
+
+@pytest.mark.timeout(300)
+def test_bits_per_byte_of_a_bpe_model_divides_by_the_texts_bytes(prepared: Path, trained: Path) -> None:
+    """The engine's score of BPE windows = the dense model's nats over the scored tokens / (ln 2 ×
+    the UTF-8 bytes of their text as `tokenizers` decodes it)."""
+    train_tiny = _train_tiny()
+    model = load_model(str(trained), torch.float64, "cpu")
+    held_out = held_out_for(str(trained), 320, EOS, str(prepared))
+    windows = held_out_windows(held_out.ids, 20, 3)
+    with LLM(str(trained), workers=0, device="cpu", dtype="float64", exit_mode="ouro") as llm:
+        params = SamplingParams(temperature=0.0, logprobs=1, ignore_eos=True, max_loops=4)
+        bpb, mean_loops, num_bytes, tokens = score(llm, windows.tolist(), params, held_out)
+    losses, _ = train_tiny.per_loop_losses(model, torch.from_numpy(windows), torch.float64)
+    nats = float(losses[-1, :, 1:].sum())  # targets window[2:]: output 0 (target window[1]) is not scored
+    tokenizer = HFTokenizer(trained / "tokenizer.json")
+    texts = [tokenizer.decode(w[2:].tolist()) for w in windows]
+    assert all("\ufffd" not in t for t in texts)
+    expected_bytes = sum(len(t.encode("utf-8")) for t in texts)
+    assert tokens == 3 * 19 and mean_loops == 4.0
+    assert num_bytes == expected_bytes > tokens  # BPE: more bytes than tokens
+    assert bpb == pytest.approx(nats / (math.log(2) * expected_bytes), rel=1e-6)
+
+
+def test_tokenized_held_out_equals_the_prepared_one(prepared: Path, trained: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --data, the held-out files are tokenized with the checkpoint's tokenizer: the same ids."""
+    monkeypatch.setattr("rlt_engine.bench.held_out.read_stdlib", _small_corpus)
+    from_text = held_out_for(str(trained), 320, EOS)
+    from_data = held_out_for(str(trained), 320, EOS, str(prepared))
+    assert np.array_equal(from_text.ids, from_data.ids) and from_text.corpus_sha256 == from_data.corpus_sha256
+    with pytest.raises(ValueError, match="not the model's"):
+        held_out_for("toy-ouro", 264, 257, str(prepared))
 
 
 def test_gate_verdict_interpolates_the_fixed_line() -> None:
@@ -111,3 +300,14 @@ def test_gate_verdict_interpolates_the_fixed_line() -> None:
     assert verdicts[0].endswith("2.5000 bits/byte (better)")
     assert verdicts[1].endswith("2.2000 bits/byte (better)")
     assert gate_against_fixed([*rows[:2], QualityRow("ouro", 0.5, 2.6, 1.5, 10)])[0].endswith("(not better)")
+
+
+def test_target_verdict_needs_fixed_d_within_one_percent_at_three_loops() -> None:
+    fixed = [QualityRow("fixed", d, bpb, d, 10) for d, bpb in ((1, 1.5), (2, 1.4), (3, 1.35), (4, 1.3))]
+    assert depth_verdict(fixed) == "deeper is better: yes (1.5000 > 1.4000 > 1.3500 > 1.3000)"
+    assert depth_verdict([*fixed[:3], QualityRow("fixed", 4, 1.36, 4, 10)]).startswith("deeper is better: NO")
+    close, cheap_but_worse, close_but_deep = (QualityRow("ouro", 0.7, 1.312, 2.9, 10),
+                                              QualityRow("ouro", 0.5, 1.32, 2.1, 10),
+                                              QualityRow("ouro", 0.9, 1.301, 3.2, 10))
+    assert "met by ouro 0.7" in target_verdict([*fixed, close, cheap_but_worse, close_but_deep])
+    assert "NOT met" in target_verdict([*fixed, cheap_but_worse, close_but_deep])

@@ -1,8 +1,10 @@
 """The text `tiny-ouro-py` learns from and is judged on: the running interpreter's standard library.
 
 Files are the stdlib's `.py` sources, sorted by path, without tests, encoding tables and pydoc
-data; each file's bytes are followed by <eos>. A file whose path hashes to 0 mod 50 is held
-out: the quality benchmark reads only those, the training script never does.
+data. A file whose path hashes to 0 mod 50 is held out: the quality benchmark reads only those,
+the training script and its tokenizer never do. `load_corpus` gives the byte-vocabulary streams
+(each file's bytes followed by <eos>, for byte models); `read_stdlib` the text itself, which
+`prepared.py` tokenizes with a trained BPE.
 """
 
 from __future__ import annotations
@@ -44,17 +46,38 @@ def stdlib_files() -> tuple[Path, list[str]]:
     return root, files
 
 
-def load_corpus() -> Corpus:
-    """Read the standard library once and split it into training and held-out token streams."""
+@dataclass(frozen=True)
+class StdlibText:
+    """The corpus as text: every file's bytes, in path order, and which are held out."""
+
+    files: list[str]
+    texts: list[bytes]
+    sha256: str  # over every path and every byte, in order
+
+    def split(self) -> tuple[list[bytes], list[bytes]]:
+        """(training texts, held-out texts)."""
+        train = [t for f, t in zip(self.files, self.texts, strict=True) if not is_held_out(f)]
+        held_out = [t for f, t in zip(self.files, self.texts, strict=True) if is_held_out(f)]
+        return train, held_out
+
+
+def read_stdlib() -> StdlibText:
+    """Read the running interpreter's standard library once (the files and order of `stdlib_files`)."""
     root, files = stdlib_files()
     digest = hashlib.sha256()
-    train: list[bytes] = []
-    held_out: list[bytes] = []
+    texts = []
     for relative in files:
         text = (root / relative).read_bytes()
         digest.update(relative.encode() + b"\0" + text + b"\0")
-        (held_out if is_held_out(relative) else train).append(text)
-    return Corpus(_join(train), _join(held_out), files, digest.hexdigest())
+        texts.append(text)
+    return StdlibText(files, texts, digest.hexdigest())
+
+
+def load_corpus() -> Corpus:
+    """The standard library as byte-vocabulary token streams (training, held out)."""
+    text = read_stdlib()
+    train, held_out = text.split()
+    return Corpus(_join(train), _join(held_out), text.files, text.sha256)
 
 
 def _join(texts: list[bytes]) -> np.ndarray:

@@ -1,0 +1,155 @@
+"""The model side of `scripts/train_tiny.py`: dense causal attention for training, per-loop losses,
+the Ouro objective, seeded initial weights, residual dropout, the held-out evaluation and the
+greedy check run by the model itself (so the GPU machine needs neither the engine nor `tokenizers`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from rlt_engine.bench.greedy import judge
+from rlt_engine.bench.prepared import Prepared
+from rlt_worker.models.base import LayerId
+from rlt_worker.models.config import load_config
+from rlt_worker.models.loader import build_model
+
+
+class CausalContext:
+    """Dense causal attention over [batch, length] rows, for training: every loop attends to the
+    same loop's K/V of earlier positions, which is what both KV layouts read when every
+    position runs all D loops. q, k, v go to the attention kernel in `dtype` (bf16 on CUDA)."""
+
+    def __init__(self, batch: int, length: int, dtype: torch.dtype) -> None:
+        self.batch, self.length, self.dtype = batch, length, dtype
+
+    def attend(self, layer: LayerId, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, t = self.batch, self.length
+        q, k, v = (x.to(self.dtype).view(b, t, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q, k, v))
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out.transpose(1, 2).reshape(b * t, q.shape[1], q.shape[3])
+
+
+def loop_states(model, inputs: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The normed state after each of the D loops, [B·T, H] each, for token ids [B, T]."""
+    b, t = inputs.shape
+    ctx = CausalContext(b, t, dtype)
+    positions = torch.arange(t, device=inputs.device).repeat(b)
+    embedded = model.embed(inputs.reshape(-1), positions, ctx)
+    state, states = model.init_state(embedded, None), []
+    for _ in range(model.info.default_depth):
+        state = model.loop(state, embedded, positions, ctx)
+        states.append(state)
+    return states
+
+
+def per_loop_losses(model, tokens: torch.Tensor, dtype: torch.dtype = torch.float32):
+    """Cross-entropy per loop [D, B, T] (nats) and exit hazards λ [D, B, T] for next-token targets."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    b, t = inputs.shape
+    losses, hazards = [], []
+    for state in loop_states(model, inputs, dtype):
+        logits = model.lm_head(state).float()
+        losses.append(F.cross_entropy(logits, targets.reshape(-1), reduction="none").view(b, t))
+        hazards.append(model.exit_gate(state).float().view(b, t))
+    return torch.stack(losses), torch.stack(hazards)
+
+
+def exit_distribution(hazards: torch.Tensor) -> torch.Tensor:
+    """p_d = λ_d ∏_{j<d} (1 − λ_j) for d < D; the last loop takes what remains. [D, B, T]."""
+    survive = torch.cumprod(1.0 - hazards, dim=0)
+    before = torch.cat([torch.ones_like(survive[:1]), survive[:-1]])
+    exits = before * hazards
+    return torch.cat([exits[:-1], before[-1:]])
+
+
+def ouro_objective(losses: torch.Tensor, hazards: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training loss, expected loss under the exit distribution) — both means over tokens."""
+    p = exit_distribution(hazards)
+    expected = (p * losses).sum(0).mean()
+    entropy = -(p * torch.log(p.clamp_min(1e-9))).sum(0).mean()
+    return expected - beta * entropy, expected
+
+
+def initial_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded initial weights: normal(0, 1/√fan_in) matrices, unit norms, a gate that starts near λ = 0.5."""
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, tensor in build_model(load_config(config)).state_dict().items():
+        if name.endswith("norm.weight") or "layernorm" in name:
+            state[name] = torch.ones(tensor.shape)
+        elif name == "model.early_exit_gate.bias":
+            state[name] = torch.zeros(tensor.shape)
+        elif name == "model.embed_tokens.weight":
+            state[name] = torch.randn(tensor.shape, generator=generator)
+        else:
+            std = 1.0 / math.sqrt(tensor.shape[-1])
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                std /= math.sqrt(2 * config["num_hidden_layers"] * config["total_ut_steps"])
+            state[name] = torch.randn(tensor.shape, generator=generator) * std
+    return state
+
+
+def add_residual_dropout(model, p: float) -> None:
+    """Dropout on each residual branch (the outputs of input_layernorm_2 and post_attention_layernorm_2,
+    just before their add), active only in train mode; the saved weights are unchanged by it."""
+    if p <= 0:
+        return
+    for layer in model.model.layers:
+        for norm in (layer.input_layernorm_2, layer.post_attention_layernorm_2):
+            norm.register_forward_hook(lambda module, args, out: F.dropout(out, p, module.training))
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def evaluate(model, windows: torch.Tensor, byte_counts: torch.Tensor, dtype: torch.dtype, beta: float) -> dict:
+    """Held-out bits per byte (nats / (ln 2 · bytes of the target tokens)) at each fixed depth and
+    under the exit distribution, and nats per token."""
+    was_training = model.training
+    model.eval()
+    losses, hazards = [], []
+    for chunk in windows.split(8):
+        loss, hazard = per_loop_losses(model, chunk, dtype)
+        losses.append(loss)
+        hazards.append(hazard)
+    model.train(was_training)
+    loss, hazard = torch.cat(losses, 1), torch.cat(hazards, 1)
+    _, expected = ouro_objective(loss, hazard, beta)
+    p = exit_distribution(hazard)
+    depths = torch.arange(1, loss.shape[0] + 1, dtype=p.dtype, device=p.device)[:, None, None]
+    num_bytes = int(byte_counts[windows[:, 1:]].sum())
+    num_tokens = loss.shape[1] * loss.shape[2]
+    to_bpb = num_tokens / (math.log(2) * num_bytes)
+    return {
+        "bpb_per_loop": [round(float(x) * to_bpb, 4) for x in loss.mean((1, 2))],
+        "bpb_expected": round(float(expected) * to_bpb, 4),
+        "nats_per_token_per_loop": [round(float(x), 4) for x in loss.mean((1, 2))],
+        "mean_exit_loops": round(float((p * depths).sum(0).mean()), 3),
+        "windows": int(windows.shape[0]), "scored_tokens": num_tokens, "scored_bytes": num_bytes,
+    }
+
+
+@torch.no_grad()
+def greedy_continuations(model, data: Prepared, max_tokens: int, device: str, dtype: torch.dtype) -> list:
+    """The greedy check's prompts continued at full depth by this model directly (no engine, no
+    `tokenizers`: the prompts' ids come from prepared.json, the text from the tokenizer's pieces)."""
+    model.eval()
+    verdicts = []
+    for prompt in data.meta["greedy_prompts"]:
+        ids, new, ended = list(prompt["ids"]), [], False
+        while len(new) < max_tokens and len(ids) < model.info.max_model_len:
+            state = loop_states(model, torch.tensor([ids], device=device), dtype)[-1]
+            token = int(model.lm_head(state[-1:]).float().argmax())
+            if token in model.info.eos_token_ids:
+                ended = True
+                break
+            ids.append(token)
+            new.append(token)
+        verdicts.append(judge(prompt["text"], data.decode(new), ended))
+    return verdicts
