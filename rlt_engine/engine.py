@@ -57,6 +57,11 @@ class LLMEngine:
             max_bypasses=config.max_bypasses,
             preemption=config.preemption,
             loops_per_plan=config.loops_per_plan or self.max_depth,
+            enable_prefix_caching=config.enable_prefix_caching,
+            prefix_cache_salt=f"{config.model}|{config.dtype}|{config.kv_layout}|D={self.max_depth}|"
+                              f"{config.state_init}",
+            # The runner draws Huginn's random initial state per (seed, position) (ModelRunner._initial_state).
+            prompt_kv_seeded=ready.model.family == "huginn" and config.state_init == "random",
         )
         self.scheduler = Scheduler(scheduler_config, self.policy, kv_managers, self.rng)
         self._busy: set[int] = set()
@@ -113,6 +118,11 @@ class LLMEngine:
         return HealthReport(workers=workers, waiting=len(scheduler.waiting), running=running,
                             num_preemptions=scheduler.stats.num_preemptions, num_replays=scheduler.stats.num_replays,
                             num_worker_restarts=self.num_worker_restarts)
+
+    def reset_prefix_cache(self) -> None:
+        """Evict every cached prompt block no request holds, on every worker (benchmarks start cold)."""
+        for book in self.scheduler.books:
+            book.kv.reset_prefix_cache()
 
     def add_plan_listener(self, listener: PlanListener) -> None:
         """Call `listener(worker, plan)` for every plan submitted (tests and tracing)."""

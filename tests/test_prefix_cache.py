@@ -1,12 +1,28 @@
 """Prefix caching: the hash chain, the KV manager's reference counts, deferred caching and LRU
-eviction."""
+eviction, placement by cached prefix, and engines whose outputs are identical with and without
+caching (float64 on the CPU, both layouts, both models) under preemption of both kinds and after a
+worker loss and replay. After every workload no block leaks: nothing is held, the pool is free
+but for the idle cached blocks, and evicting them returns them."""
 
 from __future__ import annotations
 
+import random
+
+import pytest
+import torch
+from factories import add_requests, make_scheduler, run_step
+
+from protocol.messages import PrefillBatch, SamplingParams
+from rlt_engine import LLM
+from rlt_engine.executor import WorkerLost
 from rlt_engine.kv_manager import KVManager
 from rlt_engine.prefix_cache import BlockHasher, NoPrefixCaching, PrefixMatch
+from rlt_engine.request import Phase, RequestStatus
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 BLOCK = 4  # positions per block in these tests: prompts of a few dozen tokens span many blocks
+EXIT = {"toy-ouro": ("ouro", 0.5), "toy-huginn": ("latent_diff", 0.3)}
 
 
 def keys(prompt: list[int], seed: int = 0, salt: str = "test") -> tuple[bytes, ...]:
@@ -126,3 +142,213 @@ def test_an_idle_cached_hit_cannot_also_be_evicted_for_the_same_allocation():
     assert kv.num_free_blocks == 4
     assert kv.can_allocate(16, keys(prompt)) and not kv.can_allocate(20, keys(prompt))
     assert not kv.can_allocate(20)  # 5 blocks: more than the pool
+
+
+# ------------------------------------------------------------------------------ the scheduler
+
+
+def caching_scheduler(**overrides: object):
+    return make_scheduler(enable_prefix_caching=True, prefix_cache_salt="test", block_size=BLOCK, **overrides)
+
+
+def prefill_starts(plan, key: int) -> list[int]:
+    return [start for batch in plan.batches if isinstance(batch, PrefillBatch)
+            for k, start in zip(batch.col("keys").tolist(), batch.col("start_positions").tolist(), strict=True)
+            if k == key]
+
+
+def test_a_request_waits_for_a_prefix_being_computed_then_prefills_after_it():
+    """b shares a's 13-token prompt: it waits while a's chunks run, then starts at position 12."""
+    s = caching_scheduler(prefill_chunk_size=8)
+    a, b = add_requests(s, 2, prompt_len=13)
+    first = run_step(s)
+    assert prefill_starts(first, a.key) == [0] and b.status == RequestStatus.WAITING
+    second = run_step(s)
+    assert prefill_starts(second, a.key) == [8] and b.status == RequestStatus.WAITING
+    third = run_step(s)  # a's whole prefix is cached now
+    assert b.status == RequestStatus.RUNNING and prefill_starts(third, b.key) == [12]
+    assert b.num_cached_tokens == 12 and a.num_cached_tokens == 0
+    assert (s.stats.prefix_cache_queries, s.stats.prefix_cache_hits) == (26, 12)
+
+
+def test_a_failed_prefill_plan_caches_nothing():
+    s = caching_scheduler()
+    (a,) = add_requests(s, 1, prompt_len=13)
+    run_step(s, error="boom")
+    assert a.finish_reason == "error"
+    (b,) = add_requests(s, 1, prompt_len=13, prefix="again")
+    plan = run_step(s)
+    assert prefill_starts(plan, b.key) == [0] and b.num_cached_tokens == 0
+
+
+def test_placement_prefers_the_worker_holding_the_longest_prefix_over_free_kv():
+    """a's prompt is cached on worker 0, which also runs `busy`: b, with a's prompt, still goes
+    there, though worker 1 has more free KV (which alone would have placed it on worker 1)."""
+    s = caching_scheduler(num_workers=2)
+    (a,) = add_requests(s, 1, prompt_len=13)
+    while not a.is_finished:
+        run_step(s, worker=0)
+    run_step(s, worker=0)  # a's release
+    (busy,) = add_requests(s, 1, prompt_len=3, prefix="busy", max_tokens=30)
+    run_step(s, worker=0)
+    free = [book.kv.num_free_blocks for book in s.books]
+    assert a.worker == busy.worker == 0 and free[0] < free[1]
+    (b,) = add_requests(s, 1, prompt_len=13, prefix="b")
+    run_step(s, worker=0)
+    assert b.worker == 0 and b.num_cached_tokens == 12
+
+
+# ------------------------------------------------------------------------------ engines
+
+
+def engine(model: str, layout: str, caching: bool, **overrides: object) -> LLM:
+    options = dict(workers=0, device="cpu", dtype="float64", exit_mode=EXIT[model][0], kv_layout=layout,
+                   block_size=BLOCK, num_blocks=1024, max_num_seqs=6, prefill_chunk_size=8,
+                   enable_prefix_caching=caching)
+    return LLM(model, **{**options, **overrides})
+
+
+def shared_prefix_workload(model: str, seed_groups: bool) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompts sharing prefixes of 0, 1 block, many blocks and a partial last block, a prompt equal
+    to another (its last position must still run) and one that is only the shared prefix.
+    `seed_groups`: requests of one prefix share a seed (Huginn's random state init keys on it)."""
+    rng = random.Random(f"prefix-{model}")
+    trunk = [rng.randrange(256) for _ in range(24)]
+    prompts, params = [], []
+    for group, shared in enumerate((0, BLOCK, 6 * BLOCK, 3 * BLOCK + 2)):
+        for i in range(3):
+            prompts.append(trunk[:shared] + [rng.randrange(256) for _ in range(rng.randint(1, 6))])
+            seed = 100 + group if seed_groups else 100 + 3 * group + i
+            params.append(SamplingParams(max_tokens=rng.randint(6, 12), temperature=1.0, seed=seed, ignore_eos=True,
+                                         exit_threshold=EXIT[model][1], logprobs=1))
+    prompts += [list(prompts[7]), trunk[: 6 * BLOCK]]
+    params += [params[7], params[6]]
+    return prompts, params
+
+
+def outputs(llm: LLM, prompts, params) -> list[tuple]:
+    return [(o.token_ids, o.exit_depths, o.logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def assert_same(got: list[tuple], expected: list[tuple]) -> None:
+    """Tokens and exit depths exactly, logprobs to float64 rounding (batches sum in other orders)."""
+    assert [(t, d) for t, d, _ in got] == [(t, d) for t, d, _ in expected]
+    for (_, _, a), (_, _, b) in zip(got, expected, strict=True):
+        assert a == pytest.approx(b, rel=1e-9, abs=1e-9)
+
+
+def assert_no_leak(llm: LLM) -> None:
+    """Every request has ended: nothing is held, the blocks off the free list are the cached ones,
+    and evicting those returns them."""
+    eng = llm.engine
+    runner = eng.executor._worker.runner
+    assert runner.num_free_slots == eng.config.max_num_seqs and runner.num_swapped == 0 and len(eng.rng) == 0
+    kv = eng.kv_managers[0]
+    assert kv.num_used_blocks == 0 and kv.num_free_blocks == kv.num_blocks and kv.num_cached_blocks > 0
+    eng.reset_prefix_cache()
+    assert kv.num_cached_blocks == 0 and kv.num_free_blocks == kv.num_blocks
+
+
+# (model, layout, state_init): both layouts for both models, Huginn with either state init.
+CASES = [("toy-ouro", "last_exited", "random"), ("toy-ouro", "shared", "random"),
+         ("toy-huginn", "last_exited", "random"), ("toy-huginn", "shared", "zero")]
+
+
+@pytest.mark.parametrize(("model", "layout", "state_init"), CASES)
+def test_outputs_are_identical_with_and_without_caching(model, layout, state_init):
+    prompts, params = shared_prefix_workload(model, seed_groups=state_init == "random")
+    with engine(model, layout, False, state_init=state_init) as llm:
+        expected = outputs(llm, prompts, params)
+    with engine(model, layout, True, state_init=state_init) as llm:
+        assert_same(outputs(llm, prompts, params), expected)
+        stats = llm.engine.scheduler.stats
+        assert stats.prefix_cache_queries == sum(map(len, prompts)) and stats.prefix_cache_hits > 0
+        assert_no_leak(llm)
+
+
+def test_huginn_random_state_init_shares_a_prefix_only_under_the_same_seed():
+    prompts, params = shared_prefix_workload("toy-huginn", seed_groups=False)
+    with engine("toy-huginn", "last_exited", True) as llm:
+        llm.generate(prompts[:12], params[:12], use_tqdm=False)
+        assert llm.engine.scheduler.stats.prefix_cache_hits == 0
+
+
+PLANES = {("toy-ouro", "last_exited"): 4, ("toy-ouro", "shared"): 1,
+          ("toy-huginn", "last_exited"): 7, ("toy-huginn", "shared"): 2}
+
+
+PREEMPTION_CASES = [("toy-ouro", "last_exited", "swap"), ("toy-ouro", "shared", "recompute"),
+                    ("toy-huginn", "last_exited", "recompute"), ("toy-huginn", "shared", "swap")]
+
+
+@pytest.mark.parametrize(("model", "layout", "preemption"), PREEMPTION_CASES)
+def test_preemption_with_shared_blocks_gives_the_uncached_outputs(model, layout, preemption):
+    prompts, params = shared_prefix_workload(model, seed_groups=True)
+    # About one long request's worth of blocks (the longest needs all 10 per plane): growth must preempt.
+    options = dict(preemption=preemption, num_blocks=10 * PLANES[(model, layout)])
+    with engine(model, layout, False, **options) as llm:
+        expected = outputs(llm, prompts, params)
+    with engine(model, layout, True, **options) as llm:
+        assert_same(outputs(llm, prompts, params), expected)
+        stats = llm.engine.scheduler.stats
+        assert stats.num_preemptions >= 3 and stats.prefix_cache_hits > 0
+        assert_no_leak(llm)
+
+
+def test_swapping_out_a_request_that_shares_blocks_leaves_them_intact():
+    """b shares a's cached prefix; b is swapped out and back in (into blocks of its own) while a
+    keeps running: the shared blocks' K/V is unchanged and both give the uncached outputs."""
+    prompt = [random.Random(5).randrange(256) for _ in range(21)]
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=9, ignore_eos=True, exit_threshold=0.5)
+    with engine("toy-ouro", "last_exited", False) as llm:
+        expected = outputs(llm, [prompt, prompt + [1]], [params, params])
+    with engine("toy-ouro", "last_exited", True, preemption="swap") as llm:
+        eng = llm.engine
+        eng.add_request("a", prompt, params)
+        eng.add_request("b", prompt + [1], params)
+        a, b = eng.scheduler._live["a"], eng.scheduler._live["b"]
+        while not (b.status == RequestStatus.RUNNING and b.num_outputs >= 2 and b.phase == Phase.LOOP):
+            eng.step()
+        shared = [plane[:5] for plane in b.allocation.planes]
+        assert [plane[:5] for plane in a.allocation.planes] == shared
+        pool = eng.executor._worker.runner.storage.pool
+        before = pool[:, :, torch.tensor(shared).flatten()].clone()
+        eng.scheduler.preempt(b)
+        finals = {}
+        while eng.has_unfinished_requests():
+            finals.update({o.request_id: o for o in eng.step() if o.finished})
+        assert eng.scheduler.stats.num_preemptions == 1
+        assert torch.equal(pool[:, :, torch.tensor(shared).flatten()], before)
+        assert_same([(finals[r].token_ids, finals[r].exit_depths, finals[r].logprobs) for r in "ab"], expected)
+        assert_no_leak(llm)
+
+
+@pytest.mark.parametrize(("model", "layout", "lose_at"),
+                         [("toy-ouro", "last_exited", 6), ("toy-huginn", "shared", 12)])
+def test_a_lost_worker_replays_into_an_empty_cache_and_gives_the_uncached_outputs(model, layout, lose_at):
+    """The replacement's pool is empty: the engine drops the dead worker's index, so the replays
+    recompute their prefixes instead of reading blocks the new pool never held."""
+    prompts, params = shared_prefix_workload(model, seed_groups=True)
+    with engine(model, layout, False) as llm:
+        expected = outputs(llm, prompts, params)
+    with engine(model, layout, True, restart_workers=True) as llm:
+        eng = llm.engine
+        plans = []
+        eng.add_plan_listener(lambda worker, plan: plans.append(plan))
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            eng.add_request(f"r{i}", prompt, p)
+        finals, step, plans_then = {}, 0, 0
+        while eng.has_unfinished_requests():
+            step += 1
+            if step == lose_at:
+                assert eng.kv_managers[0].num_cached_blocks > 0
+                eng._on_worker_lost(0, WorkerLost(0, "injected by the test"))
+                plans_then = len(plans)
+            finals.update({o.request_id: o for o in eng.step() if o.finished})
+        first_after = plans[plans_then]
+        starts = [s for b in first_after.batches if isinstance(b, PrefillBatch) for s in b.col("start_positions")]
+        assert starts and all(start == 0 for start in starts)  # nothing was cached in the new pool yet
+        assert eng.scheduler.stats.num_replays >= 2
+        assert_same([(finals[f"r{i}"].token_ids, finals[f"r{i}"].exit_depths, finals[f"r{i}"].logprobs)
+                     for i in range(len(prompts))], expected)
+        assert_no_leak(llm)
