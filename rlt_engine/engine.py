@@ -107,17 +107,19 @@ class LLMEngine:
 
     def health(self) -> HealthReport:
         """Liveness and load: alive workers, waiting and running requests, KV usage per worker, counters."""
-        scheduler = self.scheduler
+        scheduler, stats = self.scheduler, self.scheduler.stats
         workers = [
             WorkerHealth(index=b.index, alive=b.alive, kv_blocks_total=b.kv.num_blocks,
                          kv_blocks_used=b.kv.num_used_blocks if b.alive else 0, running=len(b.running),
-                         free_slots=b.num_free_slots, responsive=b.alive and b.responsive)
+                         free_slots=b.num_free_slots, responsive=b.alive and b.responsive,
+                         kv_blocks_cached=b.kv.num_cached_blocks if b.alive else 0)
             for b in scheduler.books
         ]
         running = sum(len(b.running) for b in scheduler.books)
         return HealthReport(workers=workers, waiting=len(scheduler.waiting), running=running,
-                            num_preemptions=scheduler.stats.num_preemptions, num_replays=scheduler.stats.num_replays,
-                            num_worker_restarts=self.num_worker_restarts)
+                            num_preemptions=stats.num_preemptions, num_replays=stats.num_replays,
+                            num_worker_restarts=self.num_worker_restarts,
+                            prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits)
 
     def reset_prefix_cache(self) -> None:
         """Evict every cached prompt block no request holds, on every worker (benchmarks start cold)."""

@@ -260,17 +260,24 @@ def test_outputs_are_identical_with_and_without_caching(model, layout, state_ini
     with engine(model, layout, False, state_init=state_init) as llm:
         expected = outputs(llm, prompts, params)
     with engine(model, layout, True, state_init=state_init) as llm:
-        assert_same(outputs(llm, prompts, params), expected)
-        stats = llm.engine.scheduler.stats
-        assert stats.prefix_cache_queries == sum(map(len, prompts)) and stats.prefix_cache_hits > 0
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert_same([(o.token_ids, o.exit_depths, o.logprobs) for o in got], expected)
+        cached = [o.num_cached_tokens for o in got]
+        health = llm.engine.health()
+        assert cached[0] == cached[1] == cached[2] == 0  # no shared prefix
+        assert cached[4] == BLOCK and cached[7] == 6 * BLOCK and cached[10] == 3 * BLOCK  # the partial block runs
+        assert cached[12] == (len(prompts[12]) - 1) // BLOCK * BLOCK  # prompts[7] again
+        assert cached[13] == 5 * BLOCK  # only the 6 shared blocks: the one holding the last position runs
+        assert health.prefix_cache_hits == sum(cached) and health.prefix_cache_queries == sum(map(len, prompts))
+        assert health.workers[0].kv_blocks_cached == llm.engine.kv_managers[0].num_cached_blocks > 0
         assert_no_leak(llm)
 
 
 def test_huginn_random_state_init_shares_a_prefix_only_under_the_same_seed():
     prompts, params = shared_prefix_workload("toy-huginn", seed_groups=False)
     with engine("toy-huginn", "last_exited", True) as llm:
-        llm.generate(prompts[:12], params[:12], use_tqdm=False)
-        assert llm.engine.scheduler.stats.prefix_cache_hits == 0
+        got = llm.generate(prompts[:12], params[:12], use_tqdm=False)
+    assert all(o.num_cached_tokens == 0 for o in got)
 
 
 PLANES = {("toy-ouro", "last_exited"): 4, ("toy-ouro", "shared"): 1,
