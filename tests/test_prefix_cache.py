@@ -171,6 +171,22 @@ def test_a_request_waits_for_a_prefix_being_computed_then_prefills_after_it():
     assert (s.stats.prefix_cache_queries, s.stats.prefix_cache_hits) == (26, 12)
 
 
+def test_aborting_the_request_computing_a_prefix_lets_the_waiting_one_go_and_its_id_be_reused():
+    """a is aborted after its first chunk ran: b, waiting for a's prefix, takes the two blocks that
+    chunk cached and computes the rest; a's id, added again, shares b's prefix."""
+    s = caching_scheduler(prefill_chunk_size=8)
+    a, b = add_requests(s, 2, prompt_len=13)
+    run_step(s)
+    s.abort(a.request_id)
+    plan = run_step(s)
+    assert prefill_starts(plan, b.key) == [8] and b.num_cached_tokens == 8
+    run_step(s)  # b's last chunk ran: blocks 0 … 2 are cached
+    (again,) = add_requests(s, 1, prompt_len=13)
+    assert again.request_id == a.request_id
+    plan = run_step(s)
+    assert prefill_starts(plan, again.key) == [12]
+
+
 def test_a_failed_prefill_plan_caches_nothing():
     s = caching_scheduler()
     (a,) = add_requests(s, 1, prompt_len=13)
