@@ -156,6 +156,9 @@ def test_prepare_is_deterministic_and_its_ids_are_the_text(prepared: Path, tmp_p
     assert len(first.train) < 0.75 * sum(map(len, train_texts))  # BPE: tokens of several bytes
     tokenizer = HFTokenizer(prepared / "tokenizer.json")
     assert [p["ids"] for p in first.meta["greedy_prompts"]] == [tokenizer.encode(p) for p in PROMPTS]
+    (again.directory / "tokenizer.json").write_bytes((again.directory / "tokenizer.json").read_bytes() + b" ")
+    with pytest.raises(ValueError, match="not the tokenizer prepared.json records"):
+        load_prepared(again.directory)
 
 
 def test_exit_distribution_and_objective() -> None:
@@ -288,6 +291,33 @@ def test_bits_per_byte_of_a_bpe_model_divides_by_the_texts_bytes(prepared: Path,
     assert tokens == 3 * 19 and mean_loops == 4.0
     assert num_bytes == expected_bytes > tokens  # BPE: more bytes than tokens
     assert bpb == pytest.approx(nats / (math.log(2) * expected_bytes), rel=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_quality_and_greedy_benches_run_on_a_bpe_checkpoint(prepared: Path, trained: Path, tmp_path: Path,
+                                                           capsys) -> None:
+    """`rlt-bench quality --data` and `rlt-bench greedy` end to end on the CPU-trained BPE checkpoint."""
+    out = tmp_path / "quality.json"
+    assert main(["bench", "quality", "--model", str(trained), "--data", str(prepared), "--device", "cpu",
+                 "--windows", "2", "--length", "12", "--loops", "1,4", "--thresholds", "0.5",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["corpus_sha256"] == _small_corpus().sha256
+    assert all(r["scored_bytes"] > r["scored_tokens"] == 2 * 11 for r in report["rows"])
+    assert any(v.startswith("gate target") for v in report["verdicts"])
+    capsys.readouterr()
+    code = main(["bench", "greedy", "--model", str(trained), "--device", "cpu", "--max-tokens", "8"])
+    printed = capsys.readouterr().out
+    assert code in (0, 1) and printed.count("\n--- ") + printed.startswith("--- ") == 6
+    assert f"=== {printed.count(': valid')}" in printed and ("NOT met" in printed) == (code == 1)
+
+
+def test_quality_sizes_the_kv_pool_for_every_window_at_once(trained: Path) -> None:
+    from rlt_engine.bench.quality import kv_blocks_for
+
+    assert kv_blocks_for(str(trained), 3, 20) == 3 * 4 * (2 + 1)  # 21 positions: 2 blocks of 16, one spare
+    assert kv_blocks_for(str(trained), 2, 0) == 2 * 4 * (4 + 1)  # the context: 64 positions
+    assert kv_blocks_for("toy-ouro", 3, 20) is None  # built-in: the engine's default
 
 
 def test_tokenized_held_out_equals_the_prepared_one(prepared: Path, trained: Path,

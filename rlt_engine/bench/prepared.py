@@ -128,6 +128,10 @@ def load_prepared(data_dir: str | Path) -> Prepared:
     meta = json.loads(meta_path.read_text())
     if meta.get("format") != FORMAT:
         raise ValueError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT}")
+    tokenizer_sha = hashlib.sha256((directory / "tokenizer.json").read_bytes()).hexdigest()
+    if tokenizer_sha != meta["tokenizer"]["sha256"]:
+        raise ValueError(f"{directory}/tokenizer.json is not the tokenizer prepared.json records (its ids would "
+                         "mean other text): run prepare again")
     pieces = byte_level_pieces(directory / "tokenizer.json")
     data = Prepared(directory, np.load(directory / "train.npy"), np.load(directory / "held_out.npy"), meta, pieces)
     if len(data.train) != meta["train_tokens"] or len(data.held_out) != meta["held_out_tokens"]:

@@ -27,6 +27,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import msgspec
 
@@ -34,6 +35,7 @@ from protocol.messages import SamplingParams
 from rlt_engine.bench.corpus import held_out_windows
 from rlt_engine.bench.held_out import HeldOut, held_out_for, trained_on
 from rlt_engine.bench.report import log, pyplot
+from rlt_engine.checkpoints import resolve_model
 
 TARGET_TOLERANCE = 0.01  # within 1% of fixed D's bits per byte …
 TARGET_MAX_LOOPS = 3.0  # … at no more than 3 mean loops per token
@@ -68,11 +70,25 @@ def score(llm, windows: list[list[int]], params: SamplingParams, held_out: HeldO
     return nats / num_bytes / math.log(2), loops / tokens, num_bytes, tokens
 
 
+def kv_blocks_for(model: str, windows: int, length: int, block_size: int = 16) -> int | None:
+    """KV blocks for every window at once (a plane per loop depth), from the checkpoint's config.json;
+    None (the engine's default) for a built-in model or a config without Ouro's keys."""
+    path = Path(resolve_model(model)) / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    if "total_ut_steps" not in config or "max_position_embeddings" not in config:
+        return None
+    positions = (length or config["max_position_embeddings"] - 1) + 1
+    return windows * config["total_ut_steps"] * (math.ceil(positions / block_size) + 1)
+
+
 def run(args: argparse.Namespace) -> tuple[list[QualityRow], HeldOut]:
     from rlt_engine.llm import LLM
 
+    num_blocks = args.num_blocks or kv_blocks_for(args.model, min(args.windows, args.max_num_seqs), args.length)
     llm = LLM(args.model, workers=args.workers, device=args.device, dtype=args.dtype, exit_mode="ouro",
-              max_num_seqs=args.max_num_seqs)
+              max_num_seqs=args.max_num_seqs, num_blocks=num_blocks)
     try:
         info = llm.engine.model_info
         held_out = held_out_for(args.model, info.vocab_size, info.eos_token_ids[0], args.data)
@@ -218,6 +234,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--loops", type=_ints, default=[1, 2, 3, 4], help="fixed depths")
     p.add_argument("--thresholds", type=_floats, default=[0.3, 0.5, 0.7, 0.8, 0.9], help="ouro exit thresholds")
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--num-blocks", type=int, default=0,
+                   help="KV blocks per worker (0: enough for every window at once, from config.json)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--plot", default=None, help="write a PNG of bits per byte against mean loops (needs matplotlib)")
