@@ -5,7 +5,7 @@
 # after the GPU set-up line:
 #
 #     bash .gpu/setup.sh && export PYTHONPATH=/tmp/site:$PWD && bash scripts/gpu_train_tiny.sh
-#     … && CONFIGS="--beta 0.5;--beta 1.0" bash scripts/gpu_train_tiny.sh     # two configurations, four runs
+#     … && CONFIGS="--exit-floor 1;--exit-floor 0.5" bash scripts/gpu_train_tiny.sh   # two configurations, four runs
 #
 # Sizing: steps = min(⌊(train_s − first_s) / step_s⌋, ⌊EPOCHS_MAX · train_tokens / (batch · context)⌋):
 # step_s is the slowest probe's median step time with as many probes running at once as there will
@@ -17,8 +17,9 @@
 # Environment: CONFIGS (";"-separated train_tiny.py flag sets, at most 2; default: one, the script's
 # defaults), DEADLINE_S (520: seconds from this script's start by which the runs have ended),
 # RESERVE_S (50), EPOCHS_MAX (10: the first H200 run, on the stdlib alone, was best on held-out text
-# near 12 epochs and overfit after), SEED (0), STEPS (set: skip the probe), PROBE_STEPS (40), DATA (.train/tiny-ouro-py),
-# EXTRA (flags for every run), DEVICE (cuda; cpu for a smoke test with small EXTRA flags).
+# near 12 epochs and overfit after), SEED (0), STEPS (set: skip the probe), PROBE_STEPS (40),
+# DATA (.train/tiny-ouro-py), EXTRA (flags for every run), DEVICE (cuda; cpu for a smoke test with
+# small EXTRA flags).
 #
 # Back under $OUT (at most 8 files of 16 MiB): log.txt (everything printed), summary.json, c0a.training.json,
 # c0b.training.json (c1a, c1b with a second configuration), best.tar.part-aa, best.tar.part-ab: the

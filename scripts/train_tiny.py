@@ -6,17 +6,30 @@ Two steps, so that the GPU machine needs only torch, numpy and safetensors:
     python scripts/train_tiny.py train --data .train/tiny-ouro-py --out DIR [--device cuda] [--steps N]
 
 `prepare` (rlt_engine/bench/prepared.py) reads this interpreter's standard library (tests,
-encoding tables and pydoc data left out; files whose path hashes to 0 mod 50 held out), trains a
-byte-level BPE tokenizer on the training files only and writes the token ids, the tokenizer and
-prepared.json (corpus SHA-256, file list) into --data. `train` reads only that directory and
+encoding tables and pydoc data left out; files whose path hashes to 0 mod 50 held out) and, for
+the training split only, the .py files of the installed distributions pyproject.toml names (each
+up to 10 MB, no tests, no copy of a stdlib file; --stdlib-only leaves them out; see
+rlt_engine/bench/corpus.py), trains a byte-level BPE tokenizer on the training files only and
+writes the token ids, the tokenizer and prepared.json (corpus SHA-256s, file lists, the
+distributions and their versions) into --data. The held-out split is the stdlib's held-out files
+alone, so held-out numbers stay comparable across corpora. `train` reads only that directory and
 writes config.json, model.safetensors (bfloat16), tokenizer.json and training.json into --out.
 
 The model is Ouro's (SPEC §9 names, so the ordinary loader reads it), D = 4 loops of one shared
-block. Training is Ouro's stage-1 objective: at every loop the LM head gives a loss L_d and the
-exit gate a hazard λ_d; the exit distribution p_d = λ_d ∏_{j<d} (1 − λ_j) (the last loop takes
-the rest) weighs the losses, and an entropy bonus keeps the gate from collapsing onto one depth:
+block. At every loop the LM head gives a loss L_d and the exit gate a hazard λ_d; the exit
+distribution is p_d = λ_d ∏_{j<d} (1 − λ_j) (the last loop takes the rest). Ouro's stage-1
+objective is
 
-    loss = Σ_d p_d L_d − β H(p)
+    loss = Σ_d p_d L_d − β H(p)          (--exit-floor 0 --detach-gate 0)
+
+whose entropy bonus is a KL to the uniform prior over exits. Trained that way the exit
+distribution collapses onto loop 1 and loops 2–4 stay untrained (issue 20's first H200 run; see
+ouro_objective and docs/benchmarks.md). The default recipe keeps the gate's part of that objective
+and lets the uniform prior weigh the LM losses:
+
+    loss = (1/D) Σ_d L_d  +  [Σ_d p_d sg(L_d) − β H(p)]    (--exit-floor 1 --detach-gate 1)
+
+(sg: stop-gradient; --exit-floor α in between mixes the LM weights (1 − α) p_d + α / D).
 
 Residual dropout (--dropout, train mode only) regularises the many epochs the small corpus takes.
 On CUDA: bf16 autocast, fused AdamW, torch.compile (falls back to eager if it fails), --max-seconds
@@ -42,7 +55,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlt_engine.bench.corpus import held_out_windows
+from rlt_engine.bench.corpus import held_out_windows, read_site_packages, read_stdlib
 from rlt_engine.bench.greedy import meets_target, report
 from rlt_engine.bench.prepared import BOS, EOS, PAD, Prepared, load_prepared, prepare
 from rlt_worker.models.config import load_config
@@ -80,6 +93,8 @@ class TrainConfig:
     weight_decay: float = 0.1
     dropout: float = 0.1
     beta: float = 0.05
+    exit_floor: float = 1.0  # α: every loop gets ≥ α / D of the LM loss weight (ouro_objective)
+    detach_gate: bool = True  # the gate learns from detached losses; the LM weights are held constant
     seed: int = 0
     eval_windows: int = 40
     eval_every: int = 250
@@ -129,7 +144,7 @@ class LossStep:
     again eagerly, as is every later one."""
 
     def __init__(self, model, cfg: TrainConfig, device: str, compile_mode: str) -> None:
-        self.model, self.beta = model, cfg.beta
+        self.model, self.beta, self.floor, self.detach_gate = model, cfg.beta, cfg.exit_floor, cfg.detach_gate
         self.on_cuda = device.startswith("cuda")
         self.dtype = torch.bfloat16 if self.on_cuda else torch.float32
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.on_cuda
@@ -140,7 +155,7 @@ class LossStep:
 
     def eager(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         losses, hazards = per_loop_losses(self.model, tokens, self.dtype)
-        return ouro_objective(losses, hazards, self.beta)
+        return ouro_objective(losses, hazards, self.beta, self.floor, self.detach_gate)
 
     def __call__(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss, expected loss) of the batch, its gradients accumulated into the parameters."""
@@ -350,6 +365,12 @@ def write_checkpoint(model, record: dict, data: Prepared, out: Path, device: str
           flush=True)
 
 
+def _flag(text: str) -> bool:
+    if text.lower() not in ("0", "1", "false", "true", "no", "yes"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected 0/1, true/false or yes/no")
+    return text.lower() in ("1", "true", "yes")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -357,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     prep = commands.add_parser("prepare", help="corpus, tokenizer and token ids into --data (needs tokenizers)")
     prep.add_argument("--data", default=DEFAULT_DATA)
     prep.add_argument("--vocab-size", type=int, default=4096)
+    prep.add_argument("--stdlib-only", action="store_true",
+                      help="train on the standard library alone (no installed distributions' sources)")
     run = commands.add_parser("train", help="train from --data, write the checkpoint into --out")
     run.add_argument("--data", default=DEFAULT_DATA)
     run.add_argument("--out", required=True, help="checkpoint directory to write")
@@ -367,10 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--max-seconds", type=float, default=math.inf,
                      help="stop and save once training (from the first step) has run this long")
     for field, default in asdict(TrainConfig()).items():
-        run.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default)
+        kind = _flag if isinstance(default, bool) else type(default)
+        run.add_argument(f"--{field.replace('_', '-')}", type=kind, default=default)
     args = parser.parse_args(argv)
     if args.command == "prepare":
-        data = prepare(args.data, args.vocab_size)
+        stdlib = read_stdlib()
+        data = prepare(args.data, args.vocab_size, stdlib, None if args.stdlib_only else read_site_packages(stdlib))
         print(f"wrote {args.data}: {len(data.train):,} training tokens, {len(data.held_out):,} held out, "
               f"vocab {data.vocab_size}, corpus sha256 {data.meta['corpus']['sha256']}")
         return 0

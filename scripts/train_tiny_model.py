@@ -67,12 +67,35 @@ def exit_distribution(hazards: torch.Tensor) -> torch.Tensor:
     return torch.cat([exits[:-1], before[-1:]])
 
 
-def ouro_objective(losses: torch.Tensor, hazards: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(training loss, expected loss under the exit distribution) — both means over tokens."""
+def ouro_objective(losses: torch.Tensor, hazards: torch.Tensor, beta: float, floor: float = 0.0,
+                   detach_gate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training loss, expected loss Σ p_d L_d under the exit distribution) — both means over tokens.
+
+    floor = 0, detach_gate = False is Ouro's stage-1 objective Σ_d p_d L_d − β H(p) (H(p) = log D −
+    KL(p ‖ uniform): the entropy bonus is the paper's uniform prior over exits). Its one p does two
+    jobs: it weighs the LM losses and it is what the gate learns. At the optimum p_d ∝ exp(−L_d / β)
+    per token, so with β = 0.05 a loop that leads by 0.1 nat takes e² ≈ 7× the weight of the next; the
+    gate starts near λ = 0.5, i.e. p = (½, ¼, ⅛, ⅛), so loop 1 leads from step 0, the deeper loops get
+    little gradient, fall behind and get less still: the exit distribution collapses onto loop 1 and
+    loops 2–D stay untrained (issue 20's first H200 run: mean exit 1.15 loops, loop 4 worst).
+
+    floor = α gives every loop at least α / D of the LM weight: w_d = (1 − α) p_d + α / D (α = 1: the
+    uniform prior itself weighs the losses, every exit is trained equally). detach_gate = True
+    separates the two jobs: the LM is trained on Σ w_d L_d with w held constant, and the gate on
+    Ouro's objective over the detached losses, Σ p_d sg(L_d) − β H(p), so the gate learns where the
+    loss is low without steering which loops the LM trains. The returned training loss is the sum
+    of both parts (its gradient is what each part's parameters receive)."""
     p = exit_distribution(hazards)
+    depth = losses.shape[0]
     expected = (p * losses).sum(0).mean()
     entropy = -(p * torch.log(p.clamp_min(1e-9))).sum(0).mean()
-    return expected - beta * entropy, expected
+    if not detach_gate:
+        weights = p if floor == 0 else (1 - floor) * p + floor / depth
+        return (weights * losses).sum(0).mean() - beta * entropy, expected
+    weights = (1 - floor) * p.detach() + floor / depth
+    lm = (weights * losses).sum(0).mean()
+    gate = (p * losses.detach()).sum(0).mean() - beta * entropy
+    return lm + gate, expected
 
 
 def initial_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:

@@ -73,6 +73,84 @@ def read_stdlib() -> StdlibText:
     return StdlibText(files, texts, digest.hexdigest())
 
 
+# The installed Python sources `scripts/train_tiny.py prepare` adds to the training split: the
+# distributions pyproject.toml names (dependencies, the dev and bench extras), each up to
+# EXTRA_MAX_BYTES of its .py files (taken in sha256(path) order, a deterministic spread over the
+# package), tests left out, and no file whose bytes equal a standard-library file's (vendored
+# copies: the held-out files must stay unseen).
+EXTRA_DISTRIBUTIONS = (
+    "torch", "triton", "pyzmq", "msgspec", "psutil", "numpy", "safetensors", "tokenizers", "tqdm", "fastapi",
+    "uvicorn", "prometheus-client", "jinja2", "pytest", "pytest-timeout", "hypothesis", "openai", "httpx",
+    "matplotlib",
+)
+EXTRA_MAX_BYTES = 10_000_000
+EXTRA_SKIPPED_DIRS = SKIPPED_DIRS | {"testing", "_testing"}
+
+
+@dataclass(frozen=True)
+class ExtraText:
+    """Training-only text beyond the standard library, with its manifest (never held out)."""
+
+    files: list[str]  # "<distribution>/<path in site-packages>"
+    texts: list[bytes]
+    sha256: str  # over every path and every byte, in order
+    manifest: dict  # distributions, versions, counts, the rule, the files left out as duplicates
+
+
+def read_site_packages(stdlib: StdlibText, names: tuple[str, ...] = EXTRA_DISTRIBUTIONS,
+                       max_bytes: int = EXTRA_MAX_BYTES) -> ExtraText:
+    """The installed distributions' .py sources (see EXTRA_DISTRIBUTIONS), in a fixed order."""
+    import importlib.metadata
+
+    known = {hashlib.sha256(t).digest() for t in stdlib.texts}
+    files, texts, rows, duplicates, not_utf8 = [], [], [], [], []
+    digest = hashlib.sha256()
+    for name in names:
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            rows.append({"name": name, "version": None, "files": 0, "bytes": 0})
+            continue
+        candidates = sorted((str(f) for f in dist.files or [] if str(f).endswith(".py")
+                             and not EXTRA_SKIPPED_DIRS.intersection(f.parts)),
+                            key=lambda f: hashlib.sha256(f.encode()).hexdigest())
+        taken, size, available = [], 0, 0
+        for relative in candidates:
+            path = Path(dist.locate_file(relative))
+            if not path.is_file():
+                continue
+            text = path.read_bytes()
+            available += len(text)
+            if hashlib.sha256(text).digest() in known:
+                duplicates.append(f"{name}/{relative}")
+                continue
+            try:
+                text.decode("utf-8")
+            except UnicodeDecodeError:
+                not_utf8.append(f"{name}/{relative}")
+                continue
+            if size + len(text) > max_bytes:
+                continue
+            taken.append((relative, text))
+            size += len(text)
+        for relative, text in sorted(taken):
+            label = f"{name}/{relative}"
+            digest.update(label.encode() + b"\0" + text + b"\0")
+            files.append(label)
+            texts.append(text)
+        rows.append({"name": name, "version": dist.version, "files": len(taken), "bytes": size,
+                     "available_bytes": available})
+    manifest = {
+        "source": "the .py files of this machine's installed distributions named in pyproject.toml",
+        "rule": f"per distribution: .py files outside {sorted(EXTRA_SKIPPED_DIRS)}, in sha256(path) order, "
+                f"while the total stays <= {max_bytes} bytes; files equal to a standard-library file "
+                "or not UTF-8 left out",
+        "distributions": rows, "duplicates_left_out": duplicates, "not_utf8_left_out": not_utf8,
+        "files": len(files), "bytes": sum(map(len, texts)), "sha256": digest.hexdigest(),
+    }
+    return ExtraText(files, texts, digest.hexdigest(), manifest)
+
+
 def load_corpus() -> Corpus:
     """The standard library as byte-vocabulary token streams (training, held out)."""
     text = read_stdlib()

@@ -6,14 +6,22 @@ the torch path's in float32 (SPEC §7a), so the gate catches bugs and not roundi
     check       an engine of the configuration under test, built in the gate dtype, runs the same
                 requests: exit depths must be the reference's, and tokens too, up to the first
                 decision whose margin is below the dtype's tolerance (1e-4 nats in float32; such a
-                near-tie may flip with rounding, and what follows it is not compared)
+                near-tie may flip with rounding, and what follows it is not compared); a decision's
+                margin is the reference's own gap between its top two logits (SPEC §7a), so it does
+                not depend on the engine under test. At real shapes float32 rounding alone moves a
+                logprob by more than 1e-4: where the engine's own two runs (see below) order the two
+                tokens the other way, their disagreement is measured rounding, and a flip whose
+                reference margin is within it is a near-tie too
     divergence  the timed engine (bf16) runs them as well; where it parts from the reference is
                 reported, never failed: the output index and the gap there, in nats and in units
                 in the last place (ulps) of the bf16 logit, since in bf16 the paths part at
                 decisions one to a few ulps apart
 
-A margin is the engine's own logprob gap between its token and the reference's, measured by
-teacher forcing the reference's tokens (`forced_tokens`); in one row it equals the logit gap.
+Where the tokens part, the engine's own logprob gap between its token and the reference's is
+reported too, measured by teacher forcing the reference's tokens (`forced_tokens`). It comes from
+two runs of the engine with different batches, so rounding can make it negative. A negative gap
+is the engine disagreeing with itself by that much about the two tokens; a positive one never
+excuses a flip.
 """
 
 from __future__ import annotations
@@ -43,11 +51,13 @@ class GateJob:
 
 @dataclass(frozen=True)
 class Reference:
-    """The torch path's outputs of the gate jobs, and the largest logit of each of its CODA rows."""
+    """The torch path's outputs of the gate jobs and, for each of its CODA rows, the largest logit and
+    the gap from it to the second largest (the decision's margin)."""
 
     jobs: list[GateJob]
     outputs: list[Any]
     top_logits: list[list[float]]  # [request][output index]
+    top_gaps: list[list[float]]  # [request][output index]
 
 
 @dataclass
@@ -55,7 +65,8 @@ class GateResult:
     requests: int
     dtype: str = GATE_DTYPE
     equal: int = 0
-    near_ties: list[dict[str, float]] = field(default_factory=list)  # {"request", "index", "margin"}
+    # {"request", "index", "margin" (the reference's top-two gap), "engine_gap"}
+    near_ties: list[dict[str, float]] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -65,7 +76,8 @@ class GateResult:
     def summary(self) -> str:
         text = f"{self.dtype}: {self.equal}/{self.requests} equal to the torch path"
         if self.near_ties:
-            ties = ", ".join(f"request {t['request']} at token {t['index']} (gap {t['margin']:.2g})"
+            ties = ", ".join(f"request {t['request']} at token {t['index']} (top-two gap {t['margin']:.2g}, "
+                             f"engine's gap {t['engine_gap']:.2g})"
                              for t in self.near_ties)
             text += f"; near-ties within tolerance: {ties}"
         if self.failures:
@@ -109,11 +121,17 @@ def reference_run(
 
     with LLM(model, **torch_path_options(engine_options, dtype)) as llm:
         jobs = make(llm.engine.model_info.vocab_size, llm.engine.max_depth)
-        recorded = record_coda_logits(llm, lambda row: float(row.max()))
+        recorded = record_coda_logits(llm, _top_two)
         outputs = _generate(llm, jobs)
     keys = sorted({key for key, _ in recorded})  # request keys count up in submission order
-    top = [[recorded[(key, i)] for i in range(len(out.token_ids))] for key, out in zip(keys, outputs, strict=True)]
-    return Reference(jobs, outputs, top)
+    rows = [[recorded[(key, i)] for i in range(len(out.token_ids))] for key, out in zip(keys, outputs, strict=True)]
+    return Reference(jobs, outputs, [[top for top, _ in r] for r in rows], [[gap for _, gap in r] for r in rows])
+
+
+def _top_two(row: Any) -> tuple[float, float]:
+    """(largest logit, its gap to the second largest) of one logits row."""
+    first, second = row.double().topk(2).values.tolist()
+    return first, first - second
 
 
 def record_coda_logits(llm: Any, keep: Callable[[Any], Any]) -> dict[tuple[int, int], Any]:
@@ -162,14 +180,16 @@ def check(llm: Any, reference: Reference, dtype: str = GATE_DTYPE, tolerance: fl
             result.equal += 1
         elif isinstance(parted, str):
             result.failures.append(f"request {i}: {parted}")
-        elif parted[1] <= tolerance:
-            result.near_ties.append({"request": i, "index": parted[0], "margin": parted[1]})
         else:
-            index, margin = parted
-            result.failures.append(
-                f"request {i}: token {index} is {got.token_ids[index]}, the torch path's {want.token_ids[index]}, "
-                f"with a logprob gap of {margin:.3g} nats (tolerance {tolerance:g} for {dtype})"
-            )
+            index, engine_gap = parted
+            margin = reference.top_gaps[i][index]
+            if is_near_tie(margin, engine_gap, tolerance):
+                result.near_ties.append({"request": i, "index": index, "margin": margin, "engine_gap": engine_gap})
+            else:
+                result.failures.append(
+                    f"request {i}: token {index} is {got.token_ids[index]}, the torch path's {want.token_ids[index]}, "
+                    f"whose top-two logit gap is {margin:.3g} nats (tolerance {tolerance:g} for {dtype}); "
+                    f"the engine's logprob gap {engine_gap:.3g}")
     return result
 
 
@@ -188,6 +208,12 @@ def divergence(llm: Any, reference: Reference, dtype: str) -> Divergence:
             report.first.append({"request": i, "index": index, "gap_nats": gap, "top_logit": top,
                                  "gap_ulps": gap / ulp(top, dtype)})
     return report
+
+
+def is_near_tie(margin: float, engine_gap: float, tolerance: float) -> bool:
+    """Whether a flipped decision is rounding: its reference margin is within the dtype's tolerance or
+    within the engine's measured disagreement with itself (a negative two-run gap)."""
+    return margin <= max(tolerance, -engine_gap)
 
 
 def _compare(llm: Any, reference: Reference) -> Iterator[tuple[int, Any, Any, tuple[int, float] | str | None]]:

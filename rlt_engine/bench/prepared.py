@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rlt_engine.bench.corpus import HELD_OUT_MODULUS, SKIPPED_DIRS, StdlibText, read_stdlib
+from rlt_engine.bench.corpus import HELD_OUT_MODULUS, SKIPPED_DIRS, ExtraText, StdlibText, read_stdlib
 from rlt_engine.bench.greedy import PROMPTS
 from rlt_engine.tokenizer import byte_level_pieces
 
@@ -83,14 +83,20 @@ def _ids(tokenizer, texts: list[str]) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def prepare(data_dir: str | Path, vocab_size: int, corpus: StdlibText | None = None) -> Prepared:
-    """Train the tokenizer on the training split and write the data directory (see the module doc)."""
+def prepare(data_dir: str | Path, vocab_size: int, corpus: StdlibText | None = None,
+            extra: ExtraText | None = None) -> Prepared:
+    """Train the tokenizer on the training split and write the data directory (see the module doc).
+    `extra` (corpus.read_site_packages) joins the training split only, after the stdlib's files;
+    the held-out split stays the stdlib's held-out files."""
     import tokenizers
 
     if not 256 + len(SPECIAL_TOKENS) < vocab_size <= 2**16:
         raise ValueError(f"vocab_size {vocab_size} must exceed the 259 bytes and specials and fit uint16")
     corpus = corpus or read_stdlib()
     train_bytes, held_out_bytes = corpus.split()
+    stdlib_train_bytes = sum(map(len, train_bytes))
+    if extra is not None:
+        train_bytes = [*train_bytes, *extra.texts]
     train_texts = [t.decode("utf-8") for t in train_bytes]
     held_out_texts = [t.decode("utf-8") for t in held_out_bytes]
     tokenizer = train_tokenizer(train_texts, vocab_size)
@@ -106,7 +112,9 @@ def prepare(data_dir: str | Path, vocab_size: int, corpus: StdlibText | None = N
                    "sha256": corpus.sha256, "files": corpus.files,
                    "held_out_rule": f"sha256(path) % {HELD_OUT_MODULUS} == 0",
                    "skipped_dirs": sorted(SKIPPED_DIRS),
-                   "train_bytes": sum(map(len, train_bytes)), "held_out_bytes": sum(map(len, held_out_bytes))},
+                   "train_bytes": sum(map(len, train_bytes)), "stdlib_train_bytes": stdlib_train_bytes,
+                   "held_out_bytes": sum(map(len, held_out_bytes)),
+                   "extra": None if extra is None else {**extra.manifest, "file_list": extra.files}},
         "tokenizer": {"kind": "byte-level BPE (tokenizers)", "tokenizers": tokenizers.__version__,
                       "vocab_size": tokenizer.get_vocab_size(), "asked_vocab_size": vocab_size,
                       "special_tokens": dict(zip(SPECIAL_TOKENS, (BOS, EOS, PAD), strict=True)),
