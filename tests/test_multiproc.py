@@ -102,8 +102,9 @@ def _socket_files(root: Path) -> list[Path]:
 
 
 @pytest.fixture(autouse=True)
-def isolated(monkeypatch: pytest.MonkeyPatch):
+def isolated(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory):
     """A private short TMPDIR; afterwards no child process and no socket file may remain."""
+    tmp_path_factory.getbasetemp()  # pytest's own temp root, made now: not inside `root`, which goes
     root = Path(tempfile.mkdtemp(prefix="rltt-", dir="/tmp"))
     monkeypatch.setattr(tempfile, "tempdir", str(root))
     me = psutil.Process()
