@@ -211,8 +211,9 @@ class LLMEngine:
             return self.scheduler.step_failed(worker, result)
         changed = self.scheduler.update(worker, result)
         for request in changed:
-            if self.outputs.decode(request) and not request.is_finished:
-                self.scheduler.finish(request, "stop")  # a stop string matched in its new text
+            kept = self.outputs.decode(request)
+            if kept is not None:  # a stop string matched in its new text
+                self.scheduler.stop_at(request, kept)
         return changed
 
     def _on_worker_lost(self, worker: int, lost: WorkerLost) -> list[Request]:

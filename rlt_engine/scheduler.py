@@ -136,6 +136,17 @@ class Scheduler(SchedulerFaults):
         del self._live[request.request_id]
         del self._by_key[request.key]
 
+    def stop_at(self, request: Request, num_outputs: int) -> None:
+        """A stop string ended the request's text with output `num_outputs` − 1: the outputs after it
+        (a plan may sample several) are dropped before any is delivered, and the request ends with
+        `stop` (one that a later output had already ended keeps its reason only if none is dropped)."""
+        if num_outputs < request.num_outputs:
+            for outputs in (request.output_token_ids, request.exit_depths, request.logprobs):
+                del outputs[num_outputs:]  # in place: the output processor shares these lists
+            request.finish_reason = "stop"
+        if not request.is_finished:
+            self.finish(request, "stop")
+
     @property
     def num_unfinished(self) -> int:
         return len(self._live)
