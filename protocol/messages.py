@@ -17,7 +17,9 @@ from protocol.columns import F64, I32, I64, U64, Columnar
 # Bumped whenever a frame's layout changes, so mixed installs fail at the handshake, by name.
 # 2: CodaBatch.forced_tokens and SamplingParams.forced_tokens (teacher forcing).
 # 3: StepResult.applied (the slot ops a failed plan applied), WorkerHealth.responsive.
-PROTOCOL_VERSION = 3
+# 4: forced tokens travel with the admit (SamplingOptions.forced_tokens, no CodaBatch.forced_tokens);
+#    CodaBatch.exit_depths, echoed by the result's CODA rows.
+PROTOCOL_VERSION = 4
 
 
 class Stage(enum.IntEnum):
@@ -124,6 +126,8 @@ class SamplingOptions(msgspec.Struct, frozen=True, array_like=True, omit_default
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+    # Teacher forcing: output i is forced_tokens[i] instead of a sample (SamplingParams.forced_tokens).
+    forced_tokens: tuple[int, ...] | None = None
 
 
 class Admit(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -253,11 +257,12 @@ class FinalizeBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_de
 
 
 class CodaBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
-    """Coda + LM head on each slot's state; sample with the ticket (seed, purpose 1, index)."""
+    """Coda + LM head on each slot's state; sample with the ticket (seed, purpose 1, index), or emit
+    the slot's forced token of that index (teacher forcing)."""
 
     COLUMNS: ClassVar = {
         "keys": I64, "generations": I64, "positions": I32, "seeds": U64, "sample_indices": I32,
-        "forced_tokens": I32,
+        "exit_depths": I32,
     }
 
     keys: bytes = b""  # i64 [rows]
@@ -265,13 +270,13 @@ class CodaBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_defaul
     positions: bytes = b""  # i32 [rows]
     seeds: bytes = b""  # u64 [rows]
     sample_indices: bytes = b""  # i32 [rows], output index i (Philox index); −1: coda K/V only, no sample
-    forced_tokens: bytes = b""  # i32 [rows], the token to emit instead of a sample (teacher forcing); −1: sample
+    exit_depths: bytes = b""  # i32 [rows], loops the position ran (echoed by the result's CODA row)
 
     def __post_init__(self) -> None:
         self._check_columns()
         self._check_min("positions", 0)
         self._check_min("sample_indices", -1)
-        self._check_min("forced_tokens", -1)
+        self._check_min("exit_depths", 1)
 
 
 StageBatch = PrefillBatch | PreludeBatch | RecurrentBatch | FinalizeBatch | CodaBatch

@@ -82,7 +82,9 @@ class PlanBuilder:
 
     def admit(self, request: Request, allocation: KVAllocation) -> None:
         params = request.params
-        sampling = SamplingOptions(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        forced = None if params.forced_tokens is None else tuple(params.forced_tokens)
+        sampling = SamplingOptions(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                                   forced_tokens=forced)
         self._admits.append(Admit(request.key, request.generation, sampling))
         self.append_blocks(request, allocation.planes)
 
@@ -123,13 +125,12 @@ class PlanBuilder:
     def finalize(self, request: Request, position: int, exit_depth: int) -> None:
         self._row(FinalizeBatch, request, positions=position, exit_depths=exit_depth)
 
-    def coda(self, request: Request, position: int, output_index: int) -> None:
-        """Sample output `output_index` at `position`; −1 runs the coda for its K/V only."""
-        forced = request.params.forced_tokens
-        forced_token = forced[output_index] if forced is not None and output_index >= 0 else -1
+    def coda(self, request: Request, position: int, output_index: int, exit_depth: int) -> None:
+        """Sample output `output_index` at `position`, which ran `exit_depth` loops; −1 runs the coda for
+        its K/V only."""
         self._row(
             CodaBatch, request, positions=position, seeds=self._seed_of(request.key), sample_indices=output_index,
-            forced_tokens=forced_token,
+            exit_depths=exit_depth,
         )
 
     @property

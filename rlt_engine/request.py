@@ -65,7 +65,6 @@ class Request:
     position: int = 0  # the generated position being computed (P−1 once the prompt is done)
     depth: int = 0  # loops scheduled at the current position
     exit_depth: int | None = None  # known or decided exit depth of the current position
-    coda_exit_depth: int = 0  # exit depth of the position whose CODA is in flight
     exit_state: float = 1.0  # the exit policy's state at the current position (Ouro: ∏ (1 − λ))
     last_step_id: int = -1  # the last step whose plan named this request
     num_workers_lost: int = 0  # workers that died while holding this request

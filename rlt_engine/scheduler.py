@@ -325,13 +325,12 @@ class Scheduler(SchedulerFaults):
         output_index = position - (request.prompt_len - 1)
         replaying = output_index < request.num_outputs
         if not replaying:
-            plan.coda(request, position, output_index)
-            request.coda_exit_depth = exit_depth
+            plan.coda(request, position, output_index, exit_depth)
             if output_index + 1 >= request.params.max_tokens:
                 request.phase = Phase.LAST_CODA
                 return
         elif self.config.coda_has_kv and output_index > 0:
-            plan.coda(request, position, output_index=-1)  # coda K/V of the exit state only
+            plan.coda(request, position, -1, exit_depth)  # coda K/V of the exit state only
         next_output = output_index + 1  # the output the next position's CODA produces
         request.position = position + 1
         request.phase = Phase.LOOP
@@ -372,15 +371,15 @@ class Scheduler(SchedulerFaults):
                 self.stats.num_stale_rows += 1
                 continue
             if stage == Stage.CODA:
-                self._apply_token(request, token, logprob)
+                self._apply_token(request, token, logprob, depth)
                 changed[key] = request
             elif stage == Stage.RECURRENT:
                 self._apply_loop(request, depth, signal)
         return list(changed.values())
 
-    def _apply_token(self, request: Request, token: int, logprob: float) -> None:
+    def _apply_token(self, request: Request, token: int, logprob: float, exit_depth: int) -> None:
         request.output_token_ids.append(token)
-        request.exit_depths.append(request.coda_exit_depth)
+        request.exit_depths.append(exit_depth)
         request.logprobs.append(logprob)
         params = request.params
         if request.num_outputs >= params.max_tokens:

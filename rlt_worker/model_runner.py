@@ -36,6 +36,7 @@ from protocol.messages import (
     PrefillBatch,
     PreludeBatch,
     RecurrentBatch,
+    SamplingOptions,
     Signal,
     SlotKeys,
     Stage,
@@ -101,11 +102,12 @@ class ModelRunner:
             else None
         )
         self.temperature = torch.ones(slots, dtype=torch.float64, device=self.device)
-        # Host knowledge of greedy rows (temperature <= 0), so sampling needs no readback to
-        # choose its path. Reset on every slot opening; set by admit and by a swap import.
-        self.host_greedy = np.zeros(slots, dtype=bool)
         self.top_k = torch.full((slots,), -1, dtype=torch.long, device=self.device)
         self.top_p = torch.ones(slots, dtype=torch.float64, device=self.device)
+        # Each slot's admitted options, on the host: sampling needs no readback to choose its path
+        # (greedy rows: temperature <= 0) or to find a forced token. Set by admit and by a swap import.
+        self.slot_options = [SamplingOptions()] * slots
+        self.host_greedy = np.zeros(slots, dtype=bool)
         self._num_blocks = [0] * slots
         self._max_blocks = max_blocks
         self._pin = self.device.type == "cuda"
@@ -192,7 +194,6 @@ class ModelRunner:
         slot = self._free_slots.pop()
         self._slot_of[identity] = slot
         self._num_blocks[slot] = 0
-        self.host_greedy[slot] = False
         return slot
 
     def close_slot(self, key: int, generation: int) -> int:
@@ -208,11 +209,24 @@ class ModelRunner:
         return self._host_tables[slot, :, : self._num_blocks[slot]]
 
     def _admit(self, admit: Admit) -> None:
-        slot = self.open_slot(admit.key, admit.generation)
-        self.temperature[slot] = admit.sampling.temperature
-        self.host_greedy[slot] = admit.sampling.temperature <= 0
-        self.top_k[slot] = admit.sampling.top_k
-        self.top_p[slot] = admit.sampling.top_p
+        self.set_options(self.open_slot(admit.key, admit.generation), admit.sampling)
+
+    def set_options(self, slot: int, options: SamplingOptions) -> None:
+        """A slot's sampling options (at admission, or restored by a swap import)."""
+        self.slot_options[slot] = options
+        self.host_greedy[slot] = options.temperature <= 0
+        self.temperature[slot] = options.temperature
+        self.top_k[slot] = options.top_k
+        self.top_p[slot] = options.top_p
+
+    def forced_tokens(self, slots: np.ndarray, indices: np.ndarray) -> np.ndarray | None:
+        """Teacher forcing: each (slot, output index)'s given token, −1 where it samples; None when no
+        row forces (the common case, answered without a loop over rows)."""
+        options = [self.slot_options[slot] for slot in slots.tolist()]
+        if all(o.forced_tokens is None for o in options):
+            return None
+        return np.array([-1 if o.forced_tokens is None else o.forced_tokens[i]
+                         for o, i in zip(options, indices.tolist(), strict=True)], dtype=np.int64)
 
     def _release(self, releases: SlotKeys) -> None:
         for key, generation in zip(releases.col("keys").tolist(), releases.col("generations").tolist(), strict=True):
@@ -438,18 +452,19 @@ class ModelRunner:
         indices = batch.col("sample_indices")
         sampled = np.flatnonzero(indices >= 0)  # the others ran only for their coda K/V (replay)
         seeds = batch.col("seeds")[sampled].view(np.int64)
-        host_forced = batch.col("forced_tokens")[sampled]
+        host_forced = self.forced_tokens(row_slots[sampled], indices[sampled])
+        exit_depths = batch.col("exit_depths")[sampled]
         # The general path is exact for greedy rows too; the shortcut only skips the noise.
         all_greedy = bool(self.host_greedy[row_slots[sampled]].all())
-        any_forced = bool((host_forced >= 0).any())
         coda_graphs = None if self._graphs is None else self._graphs.coda
-        if coda_graphs is not None and len(sampled) == len(row_slots) and not any_forced:
+        if coda_graphs is not None and len(sampled) == len(row_slots) and host_forced is None:
             done = coda_graphs.run(row_slots, seeds, indices, all_greedy)
             if done is not None:
-                results.add(Stage.CODA, keys, generations, tokens=done[0], logprobs=done[1])
+                results.add(Stage.CODA, keys, generations, depths=exit_depths, tokens=done[0], logprobs=done[1])
                 return
-        slots, positions, rows, seeds, sample_indices, forced = self._upload(
-            row_slots, host_positions, sampled, seeds, indices[sampled], host_forced
+        columns = [row_slots, host_positions, sampled, seeds, indices[sampled]]
+        slots, positions, rows, seeds, sample_indices, *forced = self._upload(
+            *columns, *([] if host_forced is None else [host_forced])
         )
         context = self._context(slots, positions, None, self._width(host_positions))
         hidden = self.model.coda(self.state[slots], positions, context)
@@ -465,7 +480,8 @@ class ModelRunner:
             indices=sample_indices,
         )
         tokens, logprobs = sample(
-            self.model.lm_head(hidden), params, all_greedy=all_greedy, forced=forced if any_forced else None
+            self.model.lm_head(hidden), params, all_greedy=all_greedy, forced=forced[0] if forced else None
         )
         self.tokens[slots] = tokens
-        results.add(Stage.CODA, keys[sampled], generations[sampled], tokens=tokens, logprobs=logprobs)
+        results.add(Stage.CODA, keys[sampled], generations[sampled], depths=exit_depths, tokens=tokens,
+                    logprobs=logprobs)

@@ -616,9 +616,10 @@ def result_for(plan: ExecutionPlan, token: int = 7, error: str = "", applied: ob
     for key, gen, first, count in _rows(plan, RecurrentBatch, ("keys", "generations", "first_depths", "num_loops")):
         keys.append(key), generations.append(gen), stages.append(Stage.RECURRENT)
         depths.append(first + count - 1), tokens.append(-1)
-    for key, gen, index in _rows(plan, CodaBatch, ("keys", "generations", "sample_indices")):
+    for key, gen, index, exit_depth in _rows(plan, CodaBatch, ("keys", "generations", "sample_indices",
+                                                                "exit_depths")):
         if index >= 0:
-            keys.append(key), generations.append(gen), stages.append(Stage.CODA), depths.append(0)
+            keys.append(key), generations.append(gen), stages.append(Stage.CODA), depths.append(exit_depth)
             tokens.append(token)
     n = len(keys)
     return StepResult(

@@ -163,7 +163,7 @@ def coda_batches(draw: Any) -> CodaBatch:
         positions=pack(draw(col(st.integers(0, I32_MAX), n)), I32),
         seeds=pack(draw(col(UINT64, n)), U64),
         sample_indices=pack(draw(col(st.integers(-1, I32_MAX), n)), I32),
-        forced_tokens=pack(draw(col(st.integers(-1, I32_MAX), n)), I32),
+        exit_depths=pack(draw(col(st.integers(1, 64), n)), I32),
     )
 
 
@@ -181,6 +181,7 @@ sampling_options = st.builds(
     temperature=st.floats(0, 10),
     top_k=st.one_of(st.just(-1), st.integers(1, 1000)),
     top_p=st.floats(0, 1, exclude_min=True),
+    forced_tokens=st.one_of(st.none(), st.lists(st.integers(0, I32_MAX), min_size=1, max_size=8).map(tuple)),
 )
 admits = st.builds(Admit, key=INT64, generation=INT64, sampling=sampling_options)
 
@@ -434,7 +435,7 @@ def _one_row_of_each_batch() -> list[Any]:
                        num_loops=pack([4], I32), signal=Signal.KL),
         FinalizeBatch(keys=k, generations=g, positions=pack([3], I32), exit_depths=pack([2], I32)),
         CodaBatch(keys=k, generations=g, positions=pack([3], I32), seeds=pack([5], U64),
-                  sample_indices=pack([0], I32), forced_tokens=pack([-1], I32)),
+                  sample_indices=pack([0], I32), exit_depths=pack([4], I32)),
     ]
 
 
@@ -640,7 +641,7 @@ OUT_OF_RANGE_WORKER_FRAMES = {
     "recurrent unknown signal": _plan_frame(_batch_body(RecurrentBatch, signal=9)),
     "finalize exit_depths=0": _plan_frame(_batch_body(FinalizeBatch, exit_depths=pack([0], I32))),
     "coda sample_indices<-1": _plan_frame(_batch_body(CodaBatch, sample_indices=pack([-2], I32))),
-    "coda forced_tokens<-1": _plan_frame(_batch_body(CodaBatch, forced_tokens=pack([-2], I32))),
+    "coda exit_depths=0": _plan_frame(_batch_body(CodaBatch, exit_depths=pack([0], I32))),
     "block_appends num_new<0": frame(["ExecutionPlan", 1, [], [pack([1], I64), pack([1], I64),
                                                              pack([-1], I32), b""]]),
     "block_appends block_ids<0": frame(["ExecutionPlan", 1, [], [pack([1], I64), pack([1], I64),
