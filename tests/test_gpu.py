@@ -193,15 +193,17 @@ def compare_to_reference(
     return smalls
 
 
-@pytest.mark.parametrize("model,mode", [("toy-ouro", "trace"), ("toy-ouro", "fixed"), ("toy-huginn", "fixed")])
+@pytest.mark.parametrize("model,mode", [("toy-ouro", "trace"), ("toy-ouro", "fixed"), ("toy-huginn", "fixed"),
+                                        ("toy-ouro", "ouro")])
 def test_toy_graphs_and_multi_loop_match_eager(model: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """CUDA-graph passes and multi-loop plans give the eager one-loop-per-plan tokens and exit depths
-    (float32 on CUDA, up to the first small-margin decision; each also against the reference)."""
+    """CUDA-graph passes and multi-loop plans (4·D passes: under ouro the worker's exits and in-plan
+    refill) give the eager one-loop-per-plan tokens and exit depths (float32 on CUDA, up to the first
+    small-margin decision; each also against the reference)."""
     variants = {
         "eager, 1 loop/plan": dict(cuda_graphs=False, loops_per_plan=1),
         "graphs, 1 loop/plan": dict(cuda_graphs=True, loops_per_plan=1),
-        "eager, D loops/plan": dict(cuda_graphs=False, loops_per_plan=0),
-        "graphs, D loops/plan": dict(cuda_graphs=True, loops_per_plan=0),
+        "eager, auto loops/plan": dict(cuda_graphs=False, loops_per_plan=0),
+        "graphs, auto loops/plan": dict(cuda_graphs=True, loops_per_plan=0),
     }
     runs = {name: _run_toy(model, mode, "random", "cuda", "triton", **options) for name, options in variants.items()}
     prompts, params, base, depth, _ = runs["eager, 1 loop/plan"]
@@ -382,7 +384,7 @@ def _check_float32(model: str, layout: str, mode: str, state_init: str = "random
 @pytest.mark.parametrize("mode", ["trace", "ouro"])
 @pytest.mark.parametrize("variant", [
     dict(cuda_graphs=False, loops_per_plan=1),  # Triton eager
-    dict(cuda_graphs=True, loops_per_plan=0),  # Triton graphs, D loops per plan where the policy allows
+    dict(cuda_graphs=True, loops_per_plan=0),  # Triton graphs, 4·D passes per plan (ouro: exits in the worker)
 ])
 def test_ouro_1_4b_float32_triton_equals_torch(mode: str, variant: dict) -> None:
     result, _ = _check_float32("synthetic-ouro-1.4b", "last_exited", mode, num_blocks=1024, **variant)

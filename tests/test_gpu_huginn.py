@@ -52,7 +52,7 @@ def test_float32_gate(mode: str, layout: str, state_init: str, variant: str) -> 
     result, stats = _check_float32(MODEL, layout, mode, state_init, HUGINN_GATE, num_blocks=1024,
                                    **VARIANTS[variant])
     assert result.passed, result.summary()
-    if variant == "triton graphs" and mode != "kl":  # signal passes run eagerly by design
+    if variant == "triton graphs":  # kl too: the worker's exit test runs after the pass's graph
         assert stats is not None and stats["replays"] > 0, stats
     reference = _torch_reference(MODEL, layout, mode, state_init, HUGINN_GATE)
     generated = [d for out in reference.outputs for d in out.exit_depths[1:]]
