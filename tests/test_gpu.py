@@ -6,8 +6,9 @@
 - The Ouro-1.4B shape in bf16 (synthetic weights), 64 concurrent requests: the CODA logits of
   the Triton path stay close to the torch path's (clear decisions equal; cosine and max|Δ|
   reported), and no NaN appears. Exactness is the float32 tests' job.
-- The Ouro-1.4B shape in float32: torch eager, Triton eager and Triton graphs with D loops per
-  plan give the same tokens and exit depths (trace and ouro exits; the benchmark gate's rule).
+- The Ouro-1.4B shape in float32: torch eager, Triton eager and Triton graphs with 4·D passes per
+  plan give the same tokens and exit depths (trace and ouro exits, ouro's decided in the worker;
+  the benchmark gate's rule).
 - KV pools sized so that a 32-bit offset would wrap (a per-layer stride below 2^31 elements with
   layer × stride above it; a stride above 2^31), both layouts, trace and ouro exits: every run
   completes, and the float32 runs equal the torch path.

@@ -2,7 +2,7 @@
 
 - float32, the benchmark gate's rule (rlt_engine/bench/gate.py: tokens and exit depths equal to the
   torch path's — torch attention, eager, one loop per plan — up to a near-tie within 1e-4 nats): Triton
-  eager (one loop per plan) and Triton with CUDA graphs (D loops per plan where the policy allows) for
+  eager (one loop per plan) and Triton with CUDA graphs (4·D passes per plan; kl: exits in the worker) for
   fixed, trace and kl (the bench's threshold), each in both layouts, random and zero state init (every
   mode and every layout meets both inits).
 - bf16, kl at the bench's threshold, 8 concurrent requests with graphs: every request completes with
