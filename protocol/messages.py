@@ -21,7 +21,9 @@ from protocol.columns import F64, I32, I64, U64, Columnar
 #    CodaBatch.exit_depths, echoed by the result's CODA rows. Exits decided in the worker: DecodeBatch
 #    (ExitTest, max_passes, refill), SamplingOptions.max_tokens / stop_token_ids, Stage.DECODE / EXITED,
 #    StepResult.exit_states; RecurrentBatch.signal, StepResult.signals and Signal are gone.
-PROTOCOL_VERSION = 4
+# 5: prefix caching: RequestOutput.num_cached_tokens, WorkerHealth.kv_blocks_cached, HealthReport's
+#    prefix_cache_queries and prefix_cache_hits.
+PROTOCOL_VERSION = 5
 
 
 class Stage(enum.IntEnum):
@@ -508,6 +510,7 @@ class RequestOutput(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     seed: int | None = None
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache at the first admission
 
 
 class EngineError(msgspec.Struct, tag=True, kw_only=True):
@@ -529,6 +532,7 @@ class WorkerHealth(msgspec.Struct, kw_only=True):
     # The worker's free slots as of its last result (max_num_seqs before its first, 0 once dead).
     free_slots: int = -1
     responsive: bool = True  # heard from within half of worker_timeout (new requests go elsewhere if not)
+    kv_blocks_cached: int = 0  # blocks the prefix cache indexes, held by requests or idle (idle ones count as free)
 
 
 class HealthReport(msgspec.Struct, tag=True, kw_only=True):
@@ -542,6 +546,13 @@ class HealthReport(msgspec.Struct, tag=True, kw_only=True):
     num_replays: int = 0  # requests re-admitted after a worker died, since start
     num_worker_restarts: int = 0  # replacement workers started (restart_workers), since start
     draining: bool = False  # a stop was requested: new requests are refused
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (one lookup per admission), since start
+    prefix_cache_hits: int = 0  # of those, tokens whose K/V came from the cache
+
+    @property
+    def prefix_cache_hit_ratio(self) -> float:
+        """Share of the prompt tokens looked up that the prefix cache held (0 before any lookup)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 WorkerInbound = WorkerHello | ExecutionPlan | Heartbeat | Shutdown

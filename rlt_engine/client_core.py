@@ -55,6 +55,7 @@ class GenerateOutput:
     finish_reason: str | None = None
     seed: int | None = None
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose K/V the engine's prefix cache held
 
     def add(self, delta: RequestOutput) -> None:
         """Append one delta (deltas arrive in order; first_index says where each starts)."""
@@ -66,6 +67,7 @@ class GenerateOutput:
         self.logprobs += delta.logprobs
         self.text += delta.text
         self.seed = delta.seed if delta.seed is not None else self.seed
+        self.num_cached_tokens = delta.num_cached_tokens
         if delta.finished:
             self.finish_reason, self.error = delta.finish_reason, delta.error
 

@@ -70,6 +70,9 @@ class EngineConfig:
                                   "the worker decides exits and samples up to this many + 1 tokens per row "
                                   "(0 = auto: 4·D on cuda, 1 on cpu)")
     mixed_batches: bool = _opt(False, "prefill-chunk and decode rows in one loop pass (not built yet)")
+    enable_prefix_caching: bool = _opt(True, "share the K/V of full prompt blocks between requests on a worker "
+                                             "(keyed by a hash chain of their tokens), kept after their last "
+                                             "user finishes and evicted least recently used when blocks run short")
     # Processes
     restart_workers: bool = _opt(False, "start a replacement when a worker dies (its requests replay)")
     worker_timeout: float = _opt(10.0, "seconds without a heartbeat before a worker counts as lost")

@@ -61,6 +61,11 @@ class LLMEngine:
             max_bypasses=config.max_bypasses,
             preemption=config.preemption,
             loops_per_plan=config.loops_per_plan or AUTO_PLAN_DEPTHS * self.max_depth,
+            enable_prefix_caching=config.enable_prefix_caching,
+            prefix_cache_salt=f"{config.model}|{config.dtype}|{config.kv_layout}|D={self.max_depth}|"
+                              f"{config.state_init}",
+            # The runner draws Huginn's random initial state per (seed, position) (ModelRunner._initial_state).
+            prompt_kv_seeded=ready.model.family == "huginn" and config.state_init == "random",
         )
         self.scheduler = Scheduler(scheduler_config, self.policy, kv_managers, self.rng)
         self._busy: set[int] = set()
@@ -106,17 +111,24 @@ class LLMEngine:
 
     def health(self) -> HealthReport:
         """Liveness and load: alive workers, waiting and running requests, KV usage per worker, counters."""
-        scheduler = self.scheduler
+        scheduler, stats = self.scheduler, self.scheduler.stats
         workers = [
             WorkerHealth(index=b.index, alive=b.alive, kv_blocks_total=b.kv.num_blocks,
                          kv_blocks_used=b.kv.num_used_blocks if b.alive else 0, running=len(b.running),
-                         free_slots=b.num_free_slots, responsive=b.alive and b.responsive)
+                         free_slots=b.num_free_slots, responsive=b.alive and b.responsive,
+                         kv_blocks_cached=b.kv.num_cached_blocks if b.alive else 0)
             for b in scheduler.books
         ]
         running = sum(len(b.running) for b in scheduler.books)
         return HealthReport(workers=workers, waiting=len(scheduler.waiting), running=running,
-                            num_preemptions=scheduler.stats.num_preemptions, num_replays=scheduler.stats.num_replays,
-                            num_worker_restarts=self.num_worker_restarts)
+                            num_preemptions=stats.num_preemptions, num_replays=stats.num_replays,
+                            num_worker_restarts=self.num_worker_restarts,
+                            prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits)
+
+    def reset_prefix_cache(self) -> None:
+        """Evict every cached prompt block no request holds, on every worker (benchmarks start cold)."""
+        for book in self.scheduler.books:
+            book.kv.reset_prefix_cache()
 
     def add_plan_listener(self, listener: PlanListener) -> None:
         """Call `listener(worker, plan)` for every plan submitted (tests and tracing)."""

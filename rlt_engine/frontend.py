@@ -339,6 +339,7 @@ class Frontend:
             request_id=live.request_id, first_index=output.first_index, token_ids=output.new_token_ids,
             exit_depths=output.new_exit_depths, logprobs=output.new_logprobs if live.want_logprobs else [],
             text=output.new_text, finished=output.finished, finish_reason=output.finish_reason, seed=output.seed,
+            num_cached_tokens=output.num_cached_tokens,
             error="the engine failed this request (see the rlt-serve log)" if output.finish_reason == "error" else None,
         )
 

@@ -52,6 +52,7 @@ class GenerationOutput:
     finished: bool = False
     finish_reason: str | None = None
     seed: int | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (vLLM's name)
     _history: _History | None = field(default=None, repr=False)
     _num_pieces: int = field(default=0, repr=False)
 
@@ -184,7 +185,8 @@ class OutputProcessor:
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids, first_index=start,
             new_token_ids=request.output_token_ids[start:end], new_exit_depths=request.exit_depths[start:end],
             new_logprobs=request.logprobs[start:end], new_text=state.unsent_text, finished=request.is_finished,
-            finish_reason=request.finish_reason, seed=state.seed, _history=history,
+            finish_reason=request.finish_reason, seed=state.seed,
+            num_cached_tokens=max(request.num_cached_tokens, 0), _history=history,
             _num_pieces=len(history.text_pieces),
         )
         state.sent, state.unsent_text = end, ""

@@ -3,7 +3,8 @@
 Each call of `schedule(worker)` first places waiting requests, then builds that worker's plan at
 loop boundaries:
 
-    0. placement of waiting requests (FCFS, or by priority) on the worker with the most free KV
+    0. placement of waiting requests (FCFS, or by priority) on the worker holding the longest
+       cached prefix of the prompt, then the most free KV
     1. the slot ops owed to the worker (releases, swap exports / imports / drops, admits)
     2. running decode rows (never starved by arrivals): the next loop of every looping
        position, and [finalize →] CODA → PRELUDE → loop 1 for every position that exited
@@ -30,6 +31,7 @@ from rlt_engine.kv_manager import KVManager
 from rlt_engine.placement import Placement
 from rlt_engine.plan_builder import DecodeSettings, PlanBuilder
 from rlt_engine.preemption import make_preemption
+from rlt_engine.prefix_cache import BlockHasher, NoPrefixCaching
 from rlt_engine.request import Phase, Request, RequestStatus
 from rlt_engine.rng import RngRegistry
 from rlt_engine.scheduler_faults import SchedulerFaults
@@ -58,6 +60,9 @@ class SchedulerConfig:
     # up to this many loops of its position; a DecodeBatch (the worker decides exits) this many
     # passes, across as many tokens as its rows exit (≤ loops_per_plan + 1 tokens per row).
     loops_per_plan: int = 1
+    enable_prefix_caching: bool = False  # full prompt blocks shared through each worker's cache index
+    prefix_cache_salt: str = ""  # what a prompt's K/V depends on besides its tokens: model, dtype, layout, D
+    prompt_kv_seeded: bool = False  # Huginn's random state init: the prompt's K/V depends on its seed too
 
 
 @dataclass
@@ -68,6 +73,8 @@ class SchedulerStats:
     num_steps: int = 0
     num_replays: int = 0
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, one lookup per admission
+    prefix_cache_hits: int = 0  # of those, tokens whose K/V came from the cache
 
 
 class Scheduler(SchedulerFaults):
@@ -87,6 +94,8 @@ class Scheduler(SchedulerFaults):
                                    max_bypasses=config.max_bypasses, max_num_seqs=config.max_num_seqs,
                                    on_demand_kv=config.on_demand_kv)
         self.stats = SchedulerStats()
+        self.hasher = (BlockHasher(config.prefix_cache_salt, kv_managers[0].block_size, config.prompt_kv_seeded)
+                       if config.enable_prefix_caching else NoPrefixCaching())
         self.waiting: deque[Request] = deque()
         self._live: dict[str, Request] = {}
         self._by_key: dict[int, Request] = {}
@@ -106,7 +115,8 @@ class Scheduler(SchedulerFaults):
         self._next_key += 1
         seed = self.rng.register(key, params.seed)
         limits = self.policy.limits(params, self.config.max_depth)
-        request = Request(request_id, key, list(prompt_token_ids), params, limits, self._arrivals)
+        request = Request(request_id, key, list(prompt_token_ids), params, limits, self._arrivals,
+                          block_hashes=self.hasher.block_hashes(prompt_token_ids, seed))
         eos = frozenset() if params.ignore_eos else self.config.eos_token_ids
         request.stop_token_ids = frozenset(params.stop_token_ids) | eos
         self._arrivals += 1
@@ -208,9 +218,13 @@ class Scheduler(SchedulerFaults):
 
     def _place_waiting(self) -> None:
         """Place waiting requests, in the order and on the workers `Placement` decides. Under
-        priority scheduling a request that cannot be placed may preempt lower-priority work."""
+        priority scheduling a request that cannot be placed may preempt lower-priority work. A
+        request whose prompt prefix is being computed for another one waits for it (FCFS: so do
+        the ones behind it, for as long as that prefix's plan runs)."""
         while self.waiting:
             request = self.placement.next_waiting(self.waiting)
+            if self.placement.awaits_prefix(request):
+                return
             book = self.placement.worker_for(request)
             if book is None and self.config.priority:
                 victim = self.placement.priority_victim(request)
@@ -226,15 +240,25 @@ class Scheduler(SchedulerFaults):
                 for other in self.waiting:
                     if other.arrival < request.arrival:
                         other.num_bypasses += 1
-            request.allocation = book.kv.allocate(self.placement.initial_positions(request))
+            request.allocation = book.kv.allocate(self.placement.initial_positions(request),
+                                                  self.placement.cache_keys(request))
             request.worker = book.index
             request.generation = self._next_generation
             self._next_generation += 1
             request.status = RequestStatus.RUNNING
             book.running.append(request)
             if not self.preemption.resume(book, request):  # swap: an import resumes it where it left
-                request.phase = Phase.PREFILL
-                book.to_admit.append(request)
+                self._admit(book, request)
+
+    def _admit(self, book: WorkerBook, request: Request) -> None:
+        """Queue the admit of a placed request: its prompt from the end of its cached prefix."""
+        request.phase = Phase.PREFILL
+        request.num_prefilled = request.allocation.num_cached_positions
+        self.stats.prefix_cache_queries += request.prompt_len
+        self.stats.prefix_cache_hits += request.num_prefilled
+        if request.num_cached_tokens < 0:  # the life's first admission (vLLM's num_cached_tokens)
+            request.num_cached_tokens = request.num_prefilled
+        book.to_admit.append(request)
 
     def _ensure_positions(self, plan: PlanBuilder, request: Request, num_positions: int) -> bool:
         """Grow the request's KV to cover `num_positions`, preempting others if needed."""
@@ -334,6 +358,7 @@ class Scheduler(SchedulerFaults):
             return 0
         plan.prefill(request, start, request.prompt_token_ids[start : start + chunk])
         request.num_prefilled += chunk
+        self.books[request.worker].kv.cache_computed(request.allocation, request.num_prefilled, plan.step_id)
         if request.num_prefilled == request.prompt_len:
             request.phase = Phase.BOUNDARY
             request.position = request.prompt_len - 1

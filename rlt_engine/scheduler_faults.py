@@ -59,7 +59,8 @@ class SchedulerFaults:
         holds its slot (released now) and has no host copy, so it replays instead. Requests placed
         after the plan was sent (still to admit) are untouched."""
         book = self.books[worker]
-        sent = book.completed(result.step_id, result.num_free_slots)  # it has stopped using the plan's blocks
+        # It has stopped using the plan's blocks; the blocks the plan was to compute are not cached.
+        sent = book.completed(result.step_id, result.num_free_slots, failed=True)
         assert sent is not None, f"worker {worker} failed a step the scheduler never sent"
         applied = result.applied or AppliedOps()
         never_opened = set(sent.admits[applied.admits:]) | set(sent.imports[applied.imports:])

@@ -9,7 +9,7 @@ One `WorkerBook` per worker holds everything that used to be parallel per-worker
                        released slot is held until that plan completes)
     in_flight          the slot ops of the plan in flight (a failed plan is reconciled from them)
     num_free_slots     the worker's free slots as of its last result (for health)
-    kv                 the KV manager of this worker's pool
+    kv                 the KV manager of this worker's pool (and its prefix cache index)
     swap               the swap ledger: exports/imports/drops to send, host copies held
 
 The book keeps counts and queues; it never changes a Request (the scheduler does).
@@ -102,10 +102,10 @@ class WorkerBook:
         """`plan` is on its way to the worker."""
         self.in_flight = plan.slot_ops
 
-    def completed(self, step_id: int, num_free_slots: int) -> SlotOps | None:
-        """The worker has finished the plan of `step_id` (well or not); returns its slot ops."""
+    def completed(self, step_id: int, num_free_slots: int, failed: bool = False) -> SlotOps | None:
+        """The worker has finished the plan of `step_id` (it failed midway if `failed`); returns its slot ops."""
         self.num_free_slots = num_free_slots
-        self.kv.retire(step_id)
+        self.kv.retire(step_id, failed)
         self.releases_in_flight.pop(step_id, None)
         sent, self.in_flight = self.in_flight, None
         return sent
@@ -119,6 +119,6 @@ class WorkerBook:
         return lost
 
     def restarted(self, kv: KVManager) -> None:
-        """A replacement is serving with an empty pool and slot table."""
+        """A replacement is serving with an empty pool and slot table (and so an empty prefix cache)."""
         self.kv, self.alive, self.responsive, self.short_of_blocks = kv, True, True, False
         self.num_free_slots = self.num_slots

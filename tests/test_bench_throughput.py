@@ -89,6 +89,27 @@ def test_resume_runs_only_what_is_missing(tmp_path, one_thread: None) -> None:
     assert run["prompt_tokens"] == 16 * 4 and prefill["median"]["prompt_tokens_per_s"] > 0
 
 
+def test_shared_prefix_workloads_with_and_without_caching(tmp_path, one_thread: None) -> None:
+    """Four requests whose 24-token prompts share 16 tokens (one 16-position block): with caching
+    the three that follow the first find its block (48 of 96 prompt tokens), without it none do."""
+    out = tmp_path / "bench.json"
+    argv = [*TOY_GRID, "--prompt-len", "24", "--shared-prefix-len", "16", "--output-len", "2", "--concurrency", "4",
+            "--requests-factor", "1", "--exit", "shared_prefix_cached,shared_prefix_uncached", "--no-gate",
+            "--no-warmup", "--json", str(out)]
+    assert main(argv) == 0
+    results = {r["exit_mode"]: r for r in json.loads(out.read_text())["results"]}
+    for r in results.values():
+        (run,) = r["runs"]
+        assert r["error"] is None and run["finished"] == 4 and run["output_tokens"] == 8
+        assert run["loops_per_token"] == 4.0  # exit fixed
+    assert results["shared_prefix_cached"]["median"]["prefix_cache_hit_ratio"] == 0.5
+    assert results["shared_prefix_uncached"]["median"]["prefix_cache_hit_ratio"] == 0.0
+    jobs = make_jobs(3, 24, 1000, Workload(2, "fixed", 4, shared_prefix_len=16), seed=1)
+    assert jobs[0].prompt[:16] == jobs[1].prompt[:16] == jobs[2].prompt[:16] and jobs[0].prompt != jobs[1].prompt
+    with pytest.raises(SystemExit):
+        parse_args(["--exit", "shared_prefix_cached", "--prompt-len", "16", "--shared-prefix-len", "16"])
+
+
 def test_trace_mix_and_bytes() -> None:
     weights = depth_weights(4, 2.5)
     assert weights == pytest.approx([0.25] * 4)

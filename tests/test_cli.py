@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from rlt_engine.checkpoints import BUILT_IN, SHIPPED
-from rlt_engine.cli import DefaultsFormatter, generate_parser, serve_parser
+from rlt_engine.cli import DefaultsFormatter, engine_config, generate_parser, serve_parser
 
 
 @pytest.mark.parametrize("make", [serve_parser, generate_parser], ids=["rlt-serve", "rlt-generate"])
@@ -53,3 +53,9 @@ def test_generate_passes_top_p_top_k_and_stop():
     args = generate_parser().parse_args(["--connect", "ipc:///x", "--top-p", "0.5", "--top-k", "7",
                                          "--stop", "\n\n", "--stop", "END", "hi"])
     assert (args.top_p, args.top_k, args.stop) == (0.5, 7, ["\n\n", "END"])
+
+
+def test_prefix_caching_is_on_by_default_and_a_flag_turns_it_off():
+    assert engine_config(serve_parser().parse_args([])).enable_prefix_caching
+    assert not engine_config(serve_parser().parse_args(["--no-enable-prefix-caching"])).enable_prefix_caching
+    assert "--enable-prefix-caching, --no-enable-prefix-caching" in serve_parser().format_help()

@@ -312,6 +312,21 @@ def test_metrics_move_as_requests_run(toy):
 
 
 @pytest.mark.timeout(120)
+def test_a_repeated_prompt_reports_its_cached_tokens_and_moves_the_hit_counters(toy):
+    """40 prompt tokens, block size 16: the second request finds the two blocks before the last position."""
+    before = metric_values(toy.url)
+    prompt = [(11 * i) % 256 for i in range(40)]
+    usages = [toy.openai().completions.create(model="toy-ouro", prompt=prompt, max_tokens=2, seed=1).usage
+              for _ in range(2)]
+    assert [u.prompt_tokens_details.cached_tokens for u in usages] == [0, 32]
+    after = metric_values(toy.url)
+    assert after["rlt_prefix_cache_hits_total"] - before.get("rlt_prefix_cache_hits_total", 0) == 32
+    assert after["rlt_prefix_cache_queries_total"] - before.get("rlt_prefix_cache_queries_total", 0) == 80
+    assert 0 < after["rlt_prefix_cache_hit_ratio"] <= 1 and after['rlt_kv_blocks_cached{worker="0"}'] > 0
+    toy.wait_idle()
+
+
+@pytest.mark.timeout(120)
 def test_health_and_models(toy):
     r = httpx.get(f"{toy.url}/health", timeout=10)
     assert r.status_code == 200 and r.json()["status"] == "ok"

@@ -489,6 +489,35 @@ def test_restart_replaces_a_killed_worker() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_a_replacement_worker_starts_with_an_empty_prefix_cache() -> None:
+    """Prompts sharing a two-block prefix, prefix caching on: SIGKILL the only worker once its cache
+    holds blocks and a request has tokens. The engine drops that worker's cache index, so the replays
+    recompute their prefixes in the replacement's empty pool (hits on the old index would read blocks
+    it never wrote) and every output equals an in-process run without caching."""
+    prefix = [(7 * i) % 251 for i in range(40)]
+    prompts = [prefix + [i + 1] * (i + 2) for i in range(4)]
+    with LLM("toy-ouro", workers=0, enable_prefix_caching=False, **MODEL_OPTIONS) as llm:
+        expected = _run(llm, prompts)
+    with LLM("toy-ouro", workers=1, restart_workers=True, **MODEL_OPTIONS) as llm:
+        engine, executor = llm.engine, llm.engine.executor
+        for i, (prompt, params) in enumerate(zip(prompts, _params(8), strict=True)):
+            engine.add_request(f"r{i}", prompt, params)
+        first_pid, old_kv, outputs, killed = executor.worker_pids()[0], engine.kv_managers[0], {}, False
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    outputs[output.request_id] = output
+            has_tokens = any(r.output_token_ids for r in engine.scheduler.running[0])
+            if not killed and old_kv.num_cached_blocks and has_tokens:
+                os.kill(first_pid, signal.SIGKILL)
+                killed = True
+        assert killed and _is_gone(first_pid) and engine.scheduler.stats.num_replays >= 1
+        assert engine.kv_managers[0] is not old_kv  # the replacement's, new with its pool
+        assert [(outputs[f"r{i}"].token_ids, outputs[f"r{i}"].exit_depths) for i in range(len(prompts))] == expected
+        assert engine.health().prefix_cache_hits > 0
+
+
+@pytest.mark.timeout(120)
 def test_a_worker_that_dies_while_idle_is_noticed_before_the_next_plan() -> None:
     """SIGKILL worker 0 while the engine has nothing to do: the next step sees the death (its
     silence check reads the pidfd) before placing anything on it, so new requests run on worker 1

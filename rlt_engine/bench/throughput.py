@@ -15,6 +15,10 @@ c requests in flight until 2·c (`--requests-factor`) have been submitted, each 
     exit latent_diff  Huginn: the relative change of the state decides, at `--latent-threshold`
     exit prefill one output token per request (exit fixed): prompt tokens/s and time to first
                  token (not in the default list; `--exit prefill --resume` adds it to a grid's JSON)
+    exit shared_prefix_cached, shared_prefix_uncached
+                 every prompt starts with the same `--shared-prefix-len` tokens (the rest of
+                 `--prompt-len` is its own), exit fixed, with prefix caching on or off; each run
+                 starts with a cold cache and reports its hit ratio (not in the default list)
 
 Before an engine is timed, the configuration is gated (`--gate`, see rlt_engine/bench/gate.py):
 the same engine configuration built in float32 must give the torch path's tokens and exit depths
@@ -34,6 +38,8 @@ as partial; medians use the complete runs when there is one), and the whole grid
     rlt-bench throughput --model synthetic-huginn-3.5b   # Huginn-0125 shape: its own defaults (see FAMILY_DEFAULTS)
     rlt-bench throughput --json grid.json --resume       # finish a grid an earlier call left unfinished
     rlt-bench throughput --model toy-ouro --device cpu --prompt-len 16 --output-len 8 --concurrency 1,4
+    rlt-bench throughput --exit shared_prefix_cached,shared_prefix_uncached --prompt-len 1024 \
+        --shared-prefix-len 960 --output-len 32 --concurrency 64 --requests-factor 1   # issue 21's workload
 """
 
 from __future__ import annotations
@@ -59,7 +65,9 @@ from rlt_engine.bench import gate
 from rlt_engine.bench.report import log, pyplot
 
 HBM_TBPS = 4.3  # H200 device-to-device copy rate measured here (KINDS.md), bytes read + written
-WORKLOADS = ("fixed", "trace", "ouro", "kl", "latent_diff", "prefill")
+WORKLOADS = ("fixed", "trace", "ouro", "kl", "latent_diff", "prefill", "shared_prefix_cached",
+             "shared_prefix_uncached")
+SHARED_PREFIX = ("shared_prefix_cached", "shared_prefix_uncached")  # exit fixed, prefix caching on / off
 OURO_THRESHOLD = 0.63  # see --ouro-threshold: 0.6 gave 2.36 and 0.7 2.80 loops (docs/benchmarks.md)
 # synthetic-huginn-3.5b: about 15 and 14 loops per position in the CPU check of
 # rlt_worker/models/synthetic.py (bf16, dense); to be calibrated on the GPU (docs/benchmarks.md).
@@ -118,6 +126,7 @@ class Workload:
     depth: int  # D
     trace_mean: float | None = None  # None: uniform over 1 … D
     threshold: float | None = None  # every request's exit_threshold (ouro, kl, latent_diff)
+    shared_prefix_len: int = 0  # leading prompt tokens every request has in common
 
 
 def make_jobs(n: int, prompt_lens: int | Sequence[int], vocab: int, work: Workload, seed: int) -> list[Job]:
@@ -129,9 +138,10 @@ def make_jobs(n: int, prompt_lens: int | Sequence[int], vocab: int, work: Worklo
     if work.exit_mode == "trace":
         mean = (work.depth + 1) / 2 if work.trace_mean is None else work.trace_mean
         weights = depth_weights(work.depth, mean)
+    shared = [rng.randrange(vocab) for _ in range(work.shared_prefix_len)]
     jobs = []
     for i, prompt_len in enumerate(lens):
-        prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+        prompt = shared[:prompt_len] + [rng.randrange(vocab) for _ in range(prompt_len - len(shared))]
         # An explicit seed, so that every engine draws the same state-init noise for the request.
         options: dict[str, Any] = dict(max_tokens=work.output_len, temperature=0.0, ignore_eos=True,
                                        seed=zlib.crc32(f"{seed}/{i}".encode()))
@@ -433,7 +443,7 @@ class Grid:
     def _engine_options(self, workers: int, mode: str) -> dict[str, Any]:
         a = self.args
         options = dict(self._options(_engine_exit(mode)), workers=workers, attention_backend=a.attention_backend,
-                       loops_per_plan=a.loops_per_plan)
+                       loops_per_plan=a.loops_per_plan, enable_prefix_caching=mode != "shared_prefix_uncached")
         for flag in ("cuda_graphs", "fused_layers"):  # None: the engine's default
             if getattr(a, flag) is not None:
                 options[flag] = getattr(a, flag)
@@ -443,6 +453,8 @@ class Grid:
         a = self.args
         if mode == "prefill":
             return Workload(1, "fixed", self.depth)
+        if mode in SHARED_PREFIX:
+            return Workload(output_len, "fixed", self.depth, shared_prefix_len=a.shared_prefix_len)
         thresholds = {"ouro": a.ouro_threshold, "kl": a.kl_threshold, "latent_diff": a.latent_threshold}
         return Workload(output_len, mode, self.depth, a.trace_mean, thresholds.get(mode))
 
@@ -589,8 +601,10 @@ class Grid:
                     break
                 jobs = make_jobs(a.requests_factor * c, a.prompt_len, engine.model_info.vocab_size,
                                  self.workload(exit_mode, a.output_len), a.seed + c)
+                engine.reset_prefix_cache()  # every run starts cold: hits come from its own requests only
+                before = engine.health()
                 run = closed_loop(engine, jobs, c, deadline)
-                config.runs.append(run.summary())
+                config.runs.append(dict(run.summary(), prefix_cache_hit_ratio=_hit_ratio(before, engine.health())))
                 s = config.runs[-1]
                 log(f"   c={c:<4} run {repeat + 1}: {s['tokens_per_s']:9.1f} tok/s  "
                     f"{s['output_tokens']} tokens in {s['elapsed_s']:.1f} s"
@@ -610,7 +624,7 @@ class Grid:
         config.memory["kv_pool_gib"] = _kv_pool_bytes(engine.model_info, kv.num_blocks, a.block_size,
                                                       engine.config.dtype) / 2**30
         keys = ("tokens_per_s", "prompt_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s",
-                "loops_per_token", "loops_per_generated_token", "elapsed_s")
+                "loops_per_token", "loops_per_generated_token", "elapsed_s", "prefix_cache_hit_ratio")
         config.median = {k: _median(config.runs, k) for k in keys}
         config.median["runs"] = sum(not r["partial"] for r in config.runs) or len(config.runs)
         config.median["partial"] = all(r["partial"] for r in config.runs)
@@ -662,8 +676,14 @@ class Grid:
 
 
 def _engine_exit(mode: str) -> str:
-    """The engine's exit_mode for a workload (prefill: one token per request, fixed)."""
-    return "fixed" if mode == "prefill" else mode
+    """The engine's exit_mode for a workload (prefill: one token per request, fixed; shared prefix: fixed)."""
+    return "fixed" if mode == "prefill" or mode in SHARED_PREFIX else mode
+
+
+def _hit_ratio(before: Any, after: Any) -> float | None:
+    """The prefix cache's hit ratio between two HealthReports (None: no prompt was looked up)."""
+    queries = after.prefix_cache_queries - before.prefix_cache_queries
+    return (after.prefix_cache_hits - before.prefix_cache_hits) / queries if queries else None
 
 
 def _graph_stats(engine: Any) -> dict[str, Any] | None:
@@ -741,20 +761,22 @@ def table(results: Sequence[ConfigResult]) -> str:
     """The results as a Markdown table."""
     lines = [
         "| workers | exit | conc. | output tok/s | prompt tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | "
-        "loops/token | peak GPU GiB | runs |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "loops/token | prefix hits | peak GPU GiB | runs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         m = r.median
         if r.error and not r.runs:
-            lines.append(f"| {r.workers} | {r.exit_mode} | {r.concurrency} | error: {r.error} | | | | | | | |")
+            lines.append(f"| {r.workers} | {r.exit_mode} | {r.concurrency} | error: {r.error} | | | | | | | | |")
             continue
         loops = m.get("loops_per_token")
         peak = r.memory.get("peak_allocated_gib", r.memory.get("device_used_gib"))
+        hits = m.get("prefix_cache_hit_ratio")
         lines.append(
             f"| {r.workers} | {r.exit_mode} | {r.concurrency} | {m['tokens_per_s']:.1f} | "
             f"{_num(m.get('prompt_tokens_per_s'))} | {_ms(m['ttft_p50_s'])} | "
             f"{_ms(m['itl_p50_s'])} | {_ms(m['itl_p99_s'])} | {'—' if loops is None else f'{loops:.3f}'} | "
+            f"{'—' if hits is None else f'{hits:.1%}'} | "
             f"{'—' if peak is None else f'{peak:.1f}'} | {m['runs']}{' (partial)' if m['partial'] else ''} |"
         )
     return "\n".join(lines)
@@ -820,7 +842,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--requests-factor", type=int, default=2, help="requests per run = factor × concurrency")
     p.add_argument("--exit", type=_csv, default=None,
                    help="any of fixed, trace, ouro, kl, latent_diff, prefill (one output token: prompt tokens/s "
-                        "and TTFT); default: the model family's (Ouro fixed,trace,ouro; Huginn fixed,trace,kl)")
+                        "and TTFT), shared_prefix_cached, shared_prefix_uncached (prompts sharing "
+                        "--shared-prefix-len tokens, prefix caching on / off); default: the model family's "
+                        "(Ouro fixed,trace,ouro; Huginn fixed,trace,kl)")
+    p.add_argument("--shared-prefix-len", type=int, default=960,
+                   help="leading prompt tokens every request of a shared_prefix workload has in common")
     p.add_argument("--trace-mean", type=float, default=None,
                    help="mean depth of generated positions under trace (default: uniform over 1 … D)")
     p.add_argument("--ouro-threshold", type=float, default=OURO_THRESHOLD,
@@ -868,6 +894,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--resume needs --json FILE (the grid to continue)")
     if args.output_len < 1 or args.prompt_len < 1 or min(args.concurrency) < 1:
         p.error("--prompt-len, --output-len and every concurrency must be ≥ 1")
+    if set(args.exit) & set(SHARED_PREFIX) and not 0 <= args.shared_prefix_len < args.prompt_len:
+        p.error(f"--shared-prefix-len must be in 0 … --prompt-len − 1 ({args.prompt_len - 1}), "
+                f"got {args.shared_prefix_len}")
     return args
 
 
@@ -893,6 +922,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "requests_factor": args.requests_factor, "trace_mean": args.trace_mean, "repeats": args.repeats,
         "max_seconds": args.max_seconds, "total_seconds": args.total_seconds, "block_size": args.block_size,
         "prefill_chunk_size": args.prefill_chunk_size, "attention_backend": resolved.attention_backend,
+        "shared_prefix_len": args.shared_prefix_len,
         "ouro_threshold": args.ouro_threshold, "kl_threshold": args.kl_threshold,
         "latent_threshold": args.latent_threshold, "gate_dtype": grid.gate_dtype,
         "gate_output_len": args.gate_output_len,

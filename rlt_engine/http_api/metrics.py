@@ -1,8 +1,8 @@
 """Prometheus metrics of the HTTP server: per-request series it measures, engine series from health().
 
 Request, token and latency series count the requests served over HTTP (IPC clients talk to the
-engine directly and are not seen here). KV usage, live workers, restarts, replays and
-preemptions describe the whole engine: they are read from a HealthReport at each scrape.
+engine directly and are not seen here). KV usage, live workers, restarts, replays, preemptions
+and the prefix cache's hits describe the whole engine: they are read from a HealthReport at each scrape.
 """
 
 from __future__ import annotations
@@ -45,11 +45,14 @@ class EngineCollector:
         used = GaugeMetricFamily("rlt_kv_blocks_used", "KV blocks in use, per worker", labels=["worker"])
         total = GaugeMetricFamily("rlt_kv_blocks_total", "KV blocks in the pool, per worker", labels=["worker"])
         usage = GaugeMetricFamily("rlt_kv_usage_ratio", "Fraction of KV blocks in use, per worker", labels=["worker"])
+        cached = GaugeMetricFamily("rlt_kv_blocks_cached", "KV blocks the prefix cache holds (idle ones count as "
+                                   "free), per worker", labels=["worker"])
         for w in alive:
             used.add_metric([str(w.index)], w.kv_blocks_used)
             total.add_metric([str(w.index)], w.kv_blocks_total)
             usage.add_metric([str(w.index)], w.kv_blocks_used / max(w.kv_blocks_total, 1))
-        yield from (used, total, usage)
+            cached.add_metric([str(w.index)], w.kv_blocks_cached)
+        yield from (used, total, usage, cached)
         yield GaugeMetricFamily("rlt_engine_requests_running", "Requests running in the engine (all clients)",
                                 value=report.running)
         yield GaugeMetricFamily("rlt_engine_requests_waiting", "Requests waiting in the engine (all clients)",
@@ -58,6 +61,12 @@ class EngineCollector:
                                   value=report.num_worker_restarts)
         yield CounterMetricFamily("rlt_replays", "Requests replayed after a worker died", value=report.num_replays)
         yield CounterMetricFamily("rlt_preemptions", "Requests preempted for KV space", value=report.num_preemptions)
+        yield CounterMetricFamily("rlt_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                                  "(one lookup per admission)", value=report.prefix_cache_queries)
+        yield CounterMetricFamily("rlt_prefix_cache_hits", "Prompt tokens whose K/V came from the prefix cache",
+                                  value=report.prefix_cache_hits)
+        yield GaugeMetricFamily("rlt_prefix_cache_hit_ratio", "prefix_cache_hits / prefix_cache_queries since start",
+                                value=report.prefix_cache_hit_ratio)
 
 
 class Metrics:

@@ -19,10 +19,11 @@ from rlt_engine.http_api.schemas import APIError
 from rlt_engine.tokenizer import Tokenizer
 
 
-def usage(prompt_lens: list[int], outputs: list[GenerateOutput]) -> dict[str, int]:
-    """OpenAI's usage object."""
+def usage(prompt_lens: list[int], outputs: list[GenerateOutput]) -> dict[str, Any]:
+    """OpenAI's usage object (`cached_tokens`: prompt tokens the prefix cache held)."""
     prompt, completion = sum(prompt_lens), sum(len(o.token_ids) for o in outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}}
 
 
 def _raise_if_failed(reason: str | None, error: str | None) -> None:
