@@ -17,9 +17,13 @@ from protocol.columns import F64, I32, I64, U64, Columnar
 # Bumped whenever a frame's layout changes, so mixed installs fail at the handshake, by name.
 # 2: CodaBatch.forced_tokens and SamplingParams.forced_tokens (teacher forcing).
 # 3: StepResult.applied (the slot ops a failed plan applied), WorkerHealth.responsive.
-# 4: prefix caching: RequestOutput.num_cached_tokens, WorkerHealth.kv_blocks_cached, HealthReport's
+# 4: forced tokens travel with the admit (SamplingOptions.forced_tokens, no CodaBatch.forced_tokens);
+#    CodaBatch.exit_depths, echoed by the result's CODA rows. Exits decided in the worker: DecodeBatch
+#    (ExitTest, max_passes, refill), SamplingOptions.max_tokens / stop_token_ids, Stage.DECODE / EXITED,
+#    StepResult.exit_states; RecurrentBatch.signal, StepResult.signals and Signal are gone.
+# 5: prefix caching: RequestOutput.num_cached_tokens, WorkerHealth.kv_blocks_cached, HealthReport's
 #    prefix_cache_queries and prefix_cache_hits.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 class Stage(enum.IntEnum):
@@ -30,15 +34,18 @@ class Stage(enum.IntEnum):
     RECURRENT = 3
     FINALIZE = 4
     CODA = 5
+    DECODE = 6  # result rows only: a token the worker's decode loop sampled (DecodeBatch)
+    EXITED = 7  # result rows only: a DecodeBatch row that exited without refill; its boundary work waits
 
 
-class Signal(enum.IntEnum):
-    """Which exit signal a RECURRENT row returns."""
+class ExitTest(enum.IntEnum):
+    """The exit test a DecodeBatch's worker applies after each loop d of a row (SPEC §3), with the
+    row's min_loops, max_loops and threshold. Every test exits at d = max_loops."""
 
-    NONE = 0
-    GATE = 1  # Ouro: λ = sigmoid(gate(state_d))
-    KL = 2  # Huginn: KL(p_{d-1} ‖ p_d) of the next-token distributions, p_0 uniform
-    LATENT = 3  # Huginn: ‖s_d − s_{d−1}‖ / ‖s_d‖ before ln_f
+    OURO = 1  # remaining *= 1 − λ, λ = sigmoid(gate(state_d)); exit if d ≥ min_loops, 1 − remaining ≥ threshold < 1
+    OURO_DELAYED = 2  # exit after loop d if the OURO test passed after loop d − 1 (it never un-passes)
+    KL = 3  # exit if d ≥ min_loops and KL(p_{d−1} ‖ p_d) < threshold (next-token distributions, p_0 uniform)
+    LATENT = 4  # exit if d ≥ min_loops and ‖s_d − s_{d−1}‖ / ‖s_d‖ < threshold (raw state before ln_f)
 
 
 # --------------------------------------------------------------------------- model / config
@@ -126,6 +133,11 @@ class SamplingOptions(msgspec.Struct, frozen=True, array_like=True, omit_default
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+    # Teacher forcing: output i is forced_tokens[i] instead of a sample (SamplingParams.forced_tokens).
+    forced_tokens: tuple[int, ...] | None = None
+    # What ends a request, so the worker's decode loop stops its row where the engine will end it:
+    max_tokens: int = 16  # outputs in all; the worker samples none past output max_tokens − 1
+    stop_token_ids: tuple[int, ...] = ()  # SamplingParams.stop_token_ids, plus the model's EOS unless ignore_eos
 
 
 class Admit(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -215,9 +227,11 @@ class PreludeBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_def
 
 
 class RecurrentBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
-    """Loops first_depths[r] … first_depths[r] + num_loops[r] − 1 of each row's current position.
+    """Loops first_depths[r] … first_depths[r] + num_loops[r] − 1 of each row's current position,
+    whose exit depth the engine knows (fixed, trace, a replayed position).
 
-    Rows at different depths share each pass. The signal of each row's last loop is returned.
+    Rows at different depths share each pass; a row leaves the pass when its count ends and reports
+    its last depth.
     """
 
     COLUMNS: ClassVar = {
@@ -229,7 +243,6 @@ class RecurrentBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_d
     positions: bytes = b""  # i32 [rows]
     first_depths: bytes = b""  # i32 [rows], 1-based loop index of the first loop to run
     num_loops: bytes = b""  # i32 [rows], ≥ 1
-    signal: Signal = Signal.NONE
 
     def __post_init__(self) -> None:
         self._check_columns()
@@ -255,11 +268,12 @@ class FinalizeBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_de
 
 
 class CodaBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
-    """Coda + LM head on each slot's state; sample with the ticket (seed, purpose 1, index)."""
+    """Coda + LM head on each slot's state; sample with the ticket (seed, purpose 1, index), or emit
+    the slot's forced token of that index (teacher forcing)."""
 
     COLUMNS: ClassVar = {
         "keys": I64, "generations": I64, "positions": I32, "seeds": U64, "sample_indices": I32,
-        "forced_tokens": I32,
+        "exit_depths": I32,
     }
 
     keys: bytes = b""  # i64 [rows]
@@ -267,23 +281,70 @@ class CodaBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_defaul
     positions: bytes = b""  # i32 [rows]
     seeds: bytes = b""  # u64 [rows]
     sample_indices: bytes = b""  # i32 [rows], output index i (Philox index); −1: coda K/V only, no sample
-    forced_tokens: bytes = b""  # i32 [rows], the token to emit instead of a sample (teacher forcing); −1: sample
+    exit_depths: bytes = b""  # i32 [rows], loops the position ran (echoed by the result's CODA row)
 
     def __post_init__(self) -> None:
         self._check_columns()
         self._check_min("positions", 0)
         self._check_min("sample_indices", -1)
-        self._check_min("forced_tokens", -1)
+        self._check_min("exit_depths", 1)
 
 
-StageBatch = PrefillBatch | PreludeBatch | RecurrentBatch | FinalizeBatch | CodaBatch
+class DecodeBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+    """Rows whose exits the worker decides (SPEC §6): up to max_passes loop passes, `exit_test` after
+    each, and for each row that exits its boundary work in the same plan: [finalize →] CODA (sample
+    with the ticket (seed, purpose 1, output index)) → PRELUDE of the token at the next position,
+    which joins the next pass (with `refill`; without it a row stops at its exit, reported EXITED).
+
+    A row starts at its position after `depths` loops (0: embedded, no loop yet); `exited` 1: the
+    position has exited after `depths` loops and its boundary work comes first. A row stops early
+    when it samples one of its slot's stop tokens or its output max_tokens − 1, and before looping a
+    position whose next position its blocks do not cover (unless it holds its last output): a plan
+    never writes past a row's blocks and never runs a loop the policy would not run.
+    """
+
+    COLUMNS: ClassVar = {
+        "keys": I64, "generations": I64, "positions": I32, "depths": I32, "exited": I32, "exit_states": F64,
+        "output_indices": I32, "seeds": U64, "min_loops": I32, "max_loops": I32, "thresholds": F64,
+    }
+
+    keys: bytes = b""  # i64 [rows]
+    generations: bytes = b""  # i64 [rows]
+    positions: bytes = b""  # i32 [rows], the position each row is at
+    depths: bytes = b""  # i32 [rows], loops run there so far
+    exited: bytes = b""  # i32 [rows], 1: the position has exited (its boundary work first), 0: it loops on
+    exit_states: bytes = b""  # f64 [rows], the exit test's state there (OURO*: ∏ (1 − λ) of its loops; 1.0 at 0)
+    output_indices: bytes = b""  # i32 [rows], the output the position's CODA samples (its Philox index)
+    seeds: bytes = b""  # u64 [rows], CODA sampling and Huginn's state init of the next positions
+    min_loops: bytes = b""  # i32 [rows], ≥ 1
+    max_loops: bytes = b""  # i32 [rows], ≥ min_loops
+    thresholds: bytes = b""  # f64 [rows], the request's exit threshold (its never-early value if unset)
+    exit_test: ExitTest = ExitTest.OURO
+    max_passes: int = 1  # loop passes the plan runs at most (a row samples at most max_passes + 1 tokens)
+    refill: bool = True  # an exited row's next token joins the next pass (False: scheduling="no_refill")
+
+    def __post_init__(self) -> None:
+        self._check_columns()
+        self._check_min("positions", 0)
+        self._check_min("depths", 0)
+        self._check_min("exited", 0)
+        self._check_min("output_indices", 0)
+        self._check_min("min_loops", 1)
+        if (self.col("max_loops") < self.col("min_loops")).any():
+            raise ValueError("a DecodeBatch row has max_loops below its min_loops")
+        if self.max_passes < 1:
+            raise ValueError(f"DecodeBatch.max_passes must be ≥ 1, got {self.max_passes}")
+
+
+StageBatch = PrefillBatch | PreludeBatch | RecurrentBatch | FinalizeBatch | CodaBatch | DecodeBatch
 
 
 class ExecutionPlan(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, kw_only=True):
     """One step of one worker: slot ops around an ordered list of stage batches.
 
     Order of application: admits and imports (slots opened), block appends, imported pages
-    restored, batches (in list order), exports, releases, swap drops.
+    restored, batches (in list order: the engine emits PREFILL → FINALIZE → CODA → PRELUDE →
+    RECURRENT → DECODE), exports, releases, swap drops.
     """
 
     step_id: int
@@ -314,22 +375,26 @@ class AppliedOps(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 class StepResult(Columnar, msgspec.Struct, tag=True, array_like=True, omit_defaults=True, kw_only=True):
     """Worker → engine: what each row of a plan produced, stamped with key and generation.
 
-    One row per RECURRENT row (its last loop's signal) and per CODA row (token, logprob).
+    One row per RecurrentBatch row (RECURRENT: its last depth) and per sampling CodaBatch row
+    (CODA: token, logprob, its position's exit depth). A DecodeBatch row gives one DECODE row per
+    token it sampled, in order (token, logprob, exit depth), then, unless a token ended its request,
+    one row for where it stopped: RECURRENT (depth = loops run at its position, 0 just after its
+    PRELUDE; exit_states) or EXITED (its position exited after `depth` loops; boundary work next).
     """
 
     COLUMNS: ClassVar = {
         "keys": I64, "generations": I64, "stages": I32, "depths": I32,
-        "signals": F64, "tokens": I32, "logprobs": F64,
+        "exit_states": F64, "tokens": I32, "logprobs": F64,
     }
 
     step_id: int
     keys: bytes = b""  # i64 [rows]
     generations: bytes = b""  # i64 [rows]
     stages: bytes = b""  # i32 [rows], Stage
-    depths: bytes = b""  # i32 [rows], RECURRENT: depth reached; CODA: the position's exit depth
-    signals: bytes = b""  # f64 [rows], RECURRENT with a signal; NaN otherwise
-    tokens: bytes = b""  # i32 [rows], CODA: sampled token; −1 otherwise
-    logprobs: bytes = b""  # f64 [rows], CODA: log p(token) under the raw logits; NaN otherwise
+    depths: bytes = b""  # i32 [rows], RECURRENT / EXITED: loops run at the position; CODA / DECODE: its exit depth
+    exit_states: bytes = b""  # f64 [rows], a DecodeBatch row's RECURRENT row: the exit test's state; NaN otherwise
+    tokens: bytes = b""  # i32 [rows], CODA / DECODE: the token; −1 otherwise
+    logprobs: bytes = b""  # f64 [rows], CODA / DECODE: log p(token) under the raw logits; NaN otherwise
     num_free_slots: int = 0
     error: str = ""  # non-empty: the plan failed; the engine ends the requests the plan reached with an error
     applied: AppliedOps | None = None  # with an error: the slot ops applied before the failure

@@ -65,8 +65,10 @@ class EngineConfig:
     cuda_graph_capture: str = _opt("startup", "when decode-pass graphs are captured: startup (every row × width "
                                               "bucket before the worker reports ready, so no capture lands in a "
                                               "request) or lazy (a bucket at its first use)")
-    loops_per_plan: int = _opt(0, "most loops one plan runs for a row that cannot exit in between "
-                                  "(0 = auto: D on cuda, 1 on cpu)")
+    loops_per_plan: int = _opt(0, "most loop passes one plan runs: a position with a known exit depth runs "
+                                  "up to this many of its loops; under ouro, ouro_delayed, kl and latent_diff "
+                                  "the worker decides exits and samples up to this many + 1 tokens per row "
+                                  "(0 = auto: 4·D on cuda, 1 on cpu)")
     mixed_batches: bool = _opt(False, "prefill-chunk and decode rows in one loop pass (not built yet)")
     enable_prefix_caching: bool = _opt(True, "share the K/V of full prompt blocks between requests on a worker "
                                              "(keyed by a hash chain of their tokens), kept after their last "
@@ -125,7 +127,7 @@ class EngineConfig:
         # Graph capture needs a sync-free attention path: the Triton backend on CUDA.
         graphs = self.cuda_graphs and on_cuda and backend == "triton"
         fused = self.fused_layers and on_cuda and backend == "triton"  # the kernels are Triton's, on CUDA
-        loops_per_plan = self.loops_per_plan or (0 if on_cuda else 1)  # 0 stays: D, known once workers are up
+        loops_per_plan = self.loops_per_plan or (0 if on_cuda else 1)  # 0 stays: 4·D, known once workers are up
         return dataclasses.replace(
             self, model=resolve_model(self.model), device=device, dtype=dtype, attention_backend=backend,
             cuda_graphs=graphs, fused_layers=fused, loops_per_plan=loops_per_plan,

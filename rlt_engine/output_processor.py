@@ -9,7 +9,9 @@ keeps the final output, the benchmarks count new tokens. The cost per step is O(
                                                 len(stop) − 1 characters, which may begin a stop string
 
 A stop string is searched for only in `held + new text` (an earlier match would have been found
-an earlier step); a hit cuts the text where the stop string starts and ends the request ("stop").
+an earlier step), token by token; a hit cuts the text where the stop string starts and ends the
+request ("stop") at the token that completed it: outputs after it (a plan may bring several tokens
+at once) are dropped by the scheduler before any output is built, so they are never delivered.
 The cumulative fields of an output (token_ids, exit_depths, logprobs, text) are prefixes of the
 life's append-only lists, built only when read.
 """
@@ -85,7 +87,10 @@ class GenerationOutput:
 
 
 class TextStream:
-    """Incremental text of one request: decode new tokens, hold back what a stop string may claim."""
+    """Incremental text of one request: decode new tokens, hold back what a stop string may claim.
+
+    Tokens are matched one at a time, as if each had arrived in a step of its own, so a plan that
+    brings several tokens stops at the same token (and cuts the same text) as single-token steps."""
 
     def __init__(self, decoder: TextDecoder, stop: list[str]) -> None:
         self._decoder = decoder
@@ -93,17 +98,27 @@ class TextStream:
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._held = ""
         self.stopped = False  # a stop string matched: nothing more is released
+        self.num_needed = 0  # after a match: how many of the matching add()'s tokens it took
 
     def add(self, token_ids: list[int], final: bool) -> str:
-        """The text that `token_ids` release (all that is held when `final`)."""
+        """The text that `token_ids` release (all that is held when `final`); a stop string match
+        ends the stream after the token that completed it (`num_needed` says which)."""
         if self.stopped:
             return ""
-        window = self._held + "".join(self._decoder.step(t) for t in token_ids)
+        released = []
+        for n, token in enumerate(token_ids, start=1):
+            released.append(self._release(self._held + self._decoder.step(token), n, final=False))
+            if self.stopped:
+                return "".join(released)
         if final:
-            window += self._decoder.flush()
+            released.append(self._release(self._held + self._decoder.flush(), len(token_ids), final=True))
+        return "".join(released)
+
+    def _release(self, window: str, num_tokens: int, final: bool) -> str:
+        """What `window` (held text + new text) releases; a stop string in it ends the stream."""
         hits = [i for i in (window.find(s) for s in self._stops) if i >= 0]
         if hits:
-            self.stopped, self._held = True, ""
+            self.stopped, self._held, self.num_needed = True, "", num_tokens
             return window[: min(hits)]
         keep = 0 if final else min(self._hold, len(window))
         self._held = window[len(window) - keep :]
@@ -140,16 +155,23 @@ class OutputProcessor:
     def _state(self, request: Request) -> _Tracked:
         return self._tracked[request.key]
 
-    def decode(self, request: Request) -> bool:
-        """Decode the request's outputs not decoded yet (flushing once it has finished); whether a
-        stop string has matched, which ends the request (the caller tells the scheduler)."""
+    def decode(self, request: Request) -> int | None:
+        """Decode the request's outputs not decoded yet (flushing once it has finished). When a stop
+        string matches in them: the number of outputs that stay, up to and including the token that
+        completed the match (the request ends there; the caller tells the scheduler); else None."""
         state = self._state(request)
         final = request.is_finished and not state.flushed
-        if state.decoded < request.num_outputs or final:
-            state.unsent_text += state.text.add(request.output_token_ids[state.decoded :], final)
-            state.decoded = request.num_outputs
-            state.flushed = state.flushed or final
-        return state.text.stopped
+        if state.decoded >= request.num_outputs and not final:
+            return None
+        stopped_before = state.text.stopped
+        new = request.output_token_ids[state.decoded :]
+        state.unsent_text += state.text.add(new, final)
+        state.flushed = state.flushed or final
+        if state.text.stopped and not stopped_before:
+            state.decoded += state.text.num_needed
+            return state.decoded
+        state.decoded = request.num_outputs
+        return None
 
     def output(self, request: Request) -> GenerationOutput:
         """The delta since the request's previous output (its final one once it has finished)."""

@@ -3,9 +3,10 @@
 Batches are emitted in a fixed order, so a request can flow through several stages in one
 step without the engine seeing any device value in between:
 
-    PREFILL → FINALIZE → CODA → PRELUDE → RECURRENT
+    PREFILL → FINALIZE → CODA → PRELUDE → RECURRENT → DECODE
     (a position that exited: finalize, sample output k, embed it at the next position,
-     run that position's loop 1 — the sampled token never leaves the worker)
+     run that position's loop 1 — the sampled token never leaves the worker; a DECODE row
+     does all of this in the worker, as often as its exits and the plan's passes allow)
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from protocol.messages import (
     Admit,
     BlockAppends,
     CodaBatch,
+    DecodeBatch,
     ExecutionPlan,
+    ExitTest,
     FinalizeBatch,
     PrefillBatch,
     PreludeBatch,
     RecurrentBatch,
     SamplingOptions,
-    Signal,
     SlotKeys,
     StageBatch,
 )
@@ -44,16 +46,26 @@ class SlotOps:
     swap_drops: list[int]
 
 
+@dataclass(frozen=True)
+class DecodeSettings:
+    """What every DecodeBatch of an engine carries: the policy's exit test, the most loop passes one
+    plan runs, and whether an exited row's next token joins the next pass (refill)."""
+
+    exit_test: ExitTest
+    max_passes: int
+    refill: bool
+
+
 class PlanBuilder:
     """Rows of one plan, appended by the scheduler in any order, packed in stage order.
 
     It only emits: it reads requests (key, generation, params) and never changes one; the
     scheduler marks the requests it named (`named`) as used by this step."""
 
-    def __init__(self, step_id: int, signal: Signal, seed_of: Callable[[int], int]) -> None:
+    def __init__(self, step_id: int, seed_of: Callable[[int], int], decode: DecodeSettings | None = None) -> None:
         self.step_id = step_id
-        self._signal = signal
         self._seed_of = seed_of  # request key → its seed (the RngRegistry's)
+        self._decode = decode  # None: the engine's policy plans every exit (no DecodeBatch)
         self.named: set[int] = set()  # keys of the requests this plan names (rows or slot ops)
         self._admits: list[Admit] = []
         self._appends: list[tuple[int, int, list[list[int]]]] = []
@@ -82,7 +94,10 @@ class PlanBuilder:
 
     def admit(self, request: Request, allocation: KVAllocation) -> None:
         params = request.params
-        sampling = SamplingOptions(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        forced = None if params.forced_tokens is None else tuple(params.forced_tokens)
+        sampling = SamplingOptions(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                                   forced_tokens=forced, max_tokens=params.max_tokens,
+                                   stop_token_ids=tuple(sorted(request.stop_token_ids)))
         self._admits.append(Admit(request.key, request.generation, sampling))
         self.append_blocks(request, allocation.planes)
 
@@ -123,13 +138,23 @@ class PlanBuilder:
     def finalize(self, request: Request, position: int, exit_depth: int) -> None:
         self._row(FinalizeBatch, request, positions=position, exit_depths=exit_depth)
 
-    def coda(self, request: Request, position: int, output_index: int) -> None:
-        """Sample output `output_index` at `position`; −1 runs the coda for its K/V only."""
-        forced = request.params.forced_tokens
-        forced_token = forced[output_index] if forced is not None and output_index >= 0 else -1
+    def coda(self, request: Request, position: int, output_index: int, exit_depth: int) -> None:
+        """Sample output `output_index` at `position`, which ran `exit_depth` loops; −1 runs the coda for
+        its K/V only."""
         self._row(
             CodaBatch, request, positions=position, seeds=self._seed_of(request.key), sample_indices=output_index,
-            forced_tokens=forced_token,
+            exit_depths=exit_depth,
+        )
+
+    def decode(self, request: Request, exited: bool) -> None:
+        """The request's current position to the worker's decode loop, with `depth` loops run there
+        (`exited`: it has exited after them, its boundary work first)."""
+        limits, position = request.limits, request.position
+        self._row(
+            DecodeBatch, request, positions=position, depths=request.depth, exited=int(exited),
+            exit_states=request.exit_state, output_indices=position - (request.prompt_len - 1),
+            seeds=self._seed_of(request.key), min_loops=limits.min_loops, max_loops=limits.max_loops,
+            thresholds=limits.threshold,
         )
 
     @property
@@ -166,14 +191,16 @@ class PlanBuilder:
 
     def _pack_batches(self) -> list[StageBatch]:
         batches: list[StageBatch] = []
-        for kind in (PrefillBatch, FinalizeBatch, CodaBatch, PreludeBatch, RecurrentBatch):
+        for kind in (PrefillBatch, FinalizeBatch, CodaBatch, PreludeBatch, RecurrentBatch, DecodeBatch):
             rows = self._rows.get(kind)
             if not rows:
                 continue
-            columns = {name: pack(values, kind.COLUMNS[name]) for name, values in rows.items()}
-            if kind is RecurrentBatch:
-                columns["signal"] = self._signal
-            batches.append(kind(**columns))
+            fields: dict[str, object] = {name: pack(values, kind.COLUMNS[name]) for name, values in rows.items()}
+            if kind is DecodeBatch:
+                assert self._decode is not None, "decode rows under a policy that plans every exit"
+                fields.update(exit_test=self._decode.exit_test, max_passes=self._decode.max_passes,
+                              refill=self._decode.refill)
+            batches.append(kind(**fields))
         return batches
 
 

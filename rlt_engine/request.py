@@ -28,7 +28,8 @@ class Phase(enum.Enum):
 
     PREFILL = "prefill"  # prompt chunks remain
     BOUNDARY = "boundary"  # the current position's state is final: [finalize] → CODA next
-    LOOP = "loop"  # the current position is looping; `depth` loops scheduled so far
+    LOOP = "loop"  # the current position is looping: `depth` loops scheduled (or, when the worker
+    # decides its exit, run) so far; a worker-decided position may be at depth 0 (embedded only)
     LAST_CODA = "last_coda"  # the final CODA is in flight; nothing follows it
 
     # A replayed request (after preemption or a worker crash) walks the same phases: its
@@ -65,8 +66,8 @@ class Request:
     position: int = 0  # the generated position being computed (P−1 once the prompt is done)
     depth: int = 0  # loops scheduled at the current position
     exit_depth: int | None = None  # known or decided exit depth of the current position
-    coda_exit_depth: int = 0  # exit depth of the position whose CODA is in flight
-    exit_state: float = 1.0  # the exit policy's state at the current position (Ouro: ∏ (1 − λ))
+    exit_state: float = 1.0  # the worker's exit test state at the current position (Ouro: ∏ (1 − λ))
+    stop_token_ids: frozenset[int] = frozenset()  # tokens that end it: its stop_token_ids, EOS unless ignore_eos
     last_step_id: int = -1  # the last step whose plan named this request
     block_hashes: tuple[bytes, ...] = ()  # prefix-cache keys of its prompt's shareable blocks
     num_cached_tokens: int = -1  # prompt tokens its first admission found in the prefix cache (−1: not admitted)

@@ -8,12 +8,15 @@ loop boundaries:
     1. the slot ops owed to the worker (releases, swap exports / imports / drops, admits)
     2. running decode rows (never starved by arrivals): the next loop of every looping
        position, and [finalize →] CODA → PRELUDE → loop 1 for every position that exited
-       (refill: at once; no_refill: only when the worker's whole cohort has exited)
+       (refill: at once; no_refill: only when the worker's whole cohort has exited). Under a
+       policy whose exits the worker decides (ouro*, kl, latent_diff) a live position is one
+       DecodeBatch row instead: the worker loops it, tests it, samples and refills in the plan
     3. prompt chunks of admitted requests, within max_num_batched_tokens
 
-`update(worker, result)` applies a StepResult: tokens, signals, exits, finishes. Rows whose
-key or generation is not the request's current one are dropped. Per-worker state lives in one
-WorkerBook per worker; the preemption mode is a strategy; faults are in scheduler_faults.py.
+`update(worker, result)` applies a StepResult: tokens, exit depths, exit states, finishes, as if
+the host had decided them. Rows whose key or generation is not the request's current one are
+dropped. Per-worker state lives in one WorkerBook per worker; the preemption mode is a strategy;
+faults are in scheduler_faults.py.
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-from protocol.messages import SamplingParams, Signal, Stage, StepResult
+from protocol.messages import SamplingParams, Stage, StepResult
 from rlt_engine.exit_policy import ExitPolicy
 from rlt_engine.kv_manager import KVManager
 from rlt_engine.placement import Placement
-from rlt_engine.plan_builder import PlanBuilder
+from rlt_engine.plan_builder import DecodeSettings, PlanBuilder
 from rlt_engine.preemption import make_preemption
 from rlt_engine.prefix_cache import BlockHasher, NoPrefixCaching
 from rlt_engine.request import Phase, Request, RequestStatus
@@ -53,8 +56,9 @@ class SchedulerConfig:
     priority: bool = False  # scheduling_policy="priority": lower priority number first
     max_bypasses: int = 8
     preemption: str = "recompute"  # or "swap": victims' slots go to host memory
-    # Most loops one plan runs for a row whose exit depth is known before it starts (no signal:
-    # fixed, trace). 1 = one loop per plan; the row leaves the runner's pass when its count ends.
+    # Most loop passes one plan runs: a row whose exit depth is known (fixed, trace, a replay) runs
+    # up to this many loops of its position; a DecodeBatch (the worker decides exits) this many
+    # passes, across as many tokens as its rows exit (≤ loops_per_plan + 1 tokens per row).
     loops_per_plan: int = 1
     enable_prefix_caching: bool = False  # full prompt blocks shared through each worker's cache index
     prefix_cache_salt: str = ""  # what a prompt's K/V depends on besides its tokens: model, dtype, layout, D
@@ -83,6 +87,8 @@ class Scheduler(SchedulerFaults):
         self.policy = policy
         self.rng = rng
         self.preemption = make_preemption(config.preemption)
+        self._decode = None if policy.exit_test is None else DecodeSettings(
+            policy.exit_test, max_passes=config.loops_per_plan, refill=config.refill)
         self.books = [WorkerBook(w, kv, config.max_num_seqs) for w, kv in enumerate(kv_managers)]
         self.placement = Placement(self.books, self.preemption, priority=config.priority,
                                    max_bypasses=config.max_bypasses, max_num_seqs=config.max_num_seqs,
@@ -111,6 +117,8 @@ class Scheduler(SchedulerFaults):
         limits = self.policy.limits(params, self.config.max_depth)
         request = Request(request_id, key, list(prompt_token_ids), params, limits, self._arrivals,
                           block_hashes=self.hasher.block_hashes(prompt_token_ids, seed))
+        eos = frozenset() if params.ignore_eos else self.config.eos_token_ids
+        request.stop_token_ids = frozenset(params.stop_token_ids) | eos
         self._arrivals += 1
         self._live[request_id] = request
         self._by_key[key] = request
@@ -146,6 +154,17 @@ class Scheduler(SchedulerFaults):
         del self._live[request.request_id]
         del self._by_key[request.key]
 
+    def stop_at(self, request: Request, num_outputs: int) -> None:
+        """A stop string ended the request's text with output `num_outputs` − 1: the outputs after it
+        (a plan may sample several) are dropped before any is delivered, and the request ends with
+        `stop` (one that a later output had already ended keeps its reason only if none is dropped)."""
+        if num_outputs < request.num_outputs:
+            for outputs in (request.output_token_ids, request.exit_depths, request.logprobs):
+                del outputs[num_outputs:]  # in place: the output processor shares these lists
+            request.finish_reason = "stop"
+        if not request.is_finished:
+            self.finish(request, "stop")
+
     @property
     def num_unfinished(self) -> int:
         return len(self._live)
@@ -166,7 +185,7 @@ class Scheduler(SchedulerFaults):
         """Build `worker`'s next plan, or None when it has nothing to do."""
         self._place_waiting()
         book = self.books[worker]
-        plan = PlanBuilder(self._next_step, self.policy.signal, self.rng.seed)
+        plan = PlanBuilder(self._next_step, self.rng.seed, self._decode)
         budget = self.config.max_num_batched_tokens
         cohort_busy = not self.config.refill and any(r.phase == Phase.LOOP for r in book.running)
         book.short_of_blocks = False
@@ -177,8 +196,8 @@ class Scheduler(SchedulerFaults):
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             if request.phase == Phase.LOOP:
-                self._schedule_loop(plan, request)
-                budget -= 1
+                if self._schedule_loop(plan, request):
+                    budget -= 1
             elif request.phase == Phase.BOUNDARY and not cohort_busy:
                 if self._ensure_positions(plan, request, min(request.position + 2, request.max_positions)):
                     self._schedule_boundary(plan, request)
@@ -291,19 +310,42 @@ class Scheduler(SchedulerFaults):
         self.waiting.appendleft(request)
         self.stats.num_preemptions += 1
 
-    def _schedule_loop(self, plan: PlanBuilder, request: Request) -> None:
-        """The position's next loops: one, or up to `loops_per_plan` when no exit can come in between."""
+    def _schedule_loop(self, plan: PlanBuilder, request: Request) -> bool:
+        """The position's next loops: up to `loops_per_plan` of them when its exit depth is known,
+        else a DecodeBatch row (False: it could not be scheduled this step)."""
+        if request.exit_depth is None:
+            return self._schedule_decode(plan, request, exited=False)
         first = request.depth + 1
         num_loops = self._num_loops(request, first)
         request.depth = first + num_loops - 1
         plan.recurrent(request, request.position, first, num_loops)
+        return True
 
     def _num_loops(self, request: Request, first_depth: int) -> int:
-        """Loops one plan runs from `first_depth`: several only when the exit depth is known up
-        front (a policy with no signal, so nothing read between loops could end the position)."""
-        if self.policy.signal != Signal.NONE or request.exit_depth is None:
-            return 1
+        """Loops one plan runs from `first_depth` of a position whose exit depth is known."""
+        assert request.exit_depth is not None
         return max(1, min(self.config.loops_per_plan, request.exit_depth - first_depth + 1))
+
+    def _schedule_decode(self, plan: PlanBuilder, request: Request, exited: bool) -> bool:
+        """A DecodeBatch row for the request's position (the worker decides its exit). Its next position
+        must have blocks (an exit is always followed by its PRELUDE); the positions a plan may reach
+        get them too while blocks are free. False: no block for the next position this step."""
+        if not self._ensure_positions(plan, request, min(request.position + 2, request.max_positions)):
+            return False
+        self._reserve_ahead(plan, request)
+        plan.decode(request, exited)
+        return True
+
+    def _reserve_ahead(self, plan: PlanBuilder, request: Request) -> None:
+        """Blocks for every position a DecodeBatch row may reach in one plan, from free blocks only
+        (never by preemption): up to loops_per_plan new positions, plus the one after them, which
+        the worker wants covered before it loops the last. Those a plan does not reach serve the
+        next plans; a request that ends frees them with the rest of its allocation."""
+        allocation, kv = request.allocation, self.books[request.worker].kv
+        assert allocation is not None
+        reach = min(request.position + self.config.loops_per_plan + 2, request.max_positions)
+        while allocation.num_positions < reach and kv.can_grow():
+            plan.append_blocks(request, kv.grow(allocation))
 
     def _schedule_prefill(self, plan: PlanBuilder, request: Request, budget: int, cohort_busy: bool) -> int:
         """Schedule the next prompt chunk; returns the tokens it costs."""
@@ -334,18 +376,22 @@ class Scheduler(SchedulerFaults):
         """
         position, exit_depth = request.position, request.exit_depth
         assert exit_depth is not None
-        if self.config.kv_layout == "last_exited" and exit_depth < self.config.max_depth:
-            plan.finalize(request, position, exit_depth)
         output_index = position - (request.prompt_len - 1)
         replaying = output_index < request.num_outputs
+        if self._decode is not None and not replaying:
+            # The worker decides the next position's exit: this boundary is its work too, so EOS and
+            # max_tokens are checked where the token is sampled and the next token refills at once.
+            self._schedule_decode(plan, request, exited=True)
+            return
+        if self.config.kv_layout == "last_exited" and exit_depth < self.config.max_depth:
+            plan.finalize(request, position, exit_depth)
         if not replaying:
-            plan.coda(request, position, output_index)
-            request.coda_exit_depth = exit_depth
+            plan.coda(request, position, output_index, exit_depth)
             if output_index + 1 >= request.params.max_tokens:
                 request.phase = Phase.LAST_CODA
                 return
         elif self.config.coda_has_kv and output_index > 0:
-            plan.coda(request, position, output_index=-1)  # coda K/V of the exit state only
+            plan.coda(request, position, -1, exit_depth)  # coda K/V of the exit state only
         next_output = output_index + 1  # the output the next position's CODA produces
         request.position = position + 1
         request.phase = Phase.LOOP
@@ -356,6 +402,10 @@ class Scheduler(SchedulerFaults):
             request.exit_depth = self.policy.planned_exit(request, next_output)
         token = request.output_token_ids[output_index] if replaying else -1
         plan.prelude(request, request.position, token)
+        if request.exit_depth is None:  # the live position after a replay: the worker decides its exit
+            request.depth = 0
+            self._schedule_decode(plan, request, exited=False)
+            return
         request.depth = self._num_loops(request, 1)
         plan.recurrent(request, request.position, 1, request.depth)
 
@@ -377,33 +427,50 @@ class Scheduler(SchedulerFaults):
         changed: dict[int, Request] = {}
         rows = zip(
             result.col("keys").tolist(), result.col("generations").tolist(), result.col("stages").tolist(),
-            result.col("depths").tolist(), result.col("signals").tolist(), result.col("tokens").tolist(),
+            result.col("depths").tolist(), result.col("exit_states").tolist(), result.col("tokens").tolist(),
             result.col("logprobs").tolist(), strict=True,
         )
-        for key, generation, stage, depth, signal, token, logprob in rows:
+        for key, generation, stage, depth, exit_state, token, logprob in rows:
             request = self._by_key.get(key)
             if request is None or request.generation != generation or request.worker != worker:
-                self.stats.num_stale_rows += 1
+                self.stats.num_stale_rows += 1  # also the rest of a request a token of this result ended
                 continue
             if stage == Stage.CODA:
-                self._apply_token(request, token, logprob)
+                self._apply_token(request, token, logprob, depth)
+                changed[key] = request
+            elif stage == Stage.DECODE:
+                self._apply_decoded_token(request, token, logprob, depth)
                 changed[key] = request
             elif stage == Stage.RECURRENT:
-                self._apply_loop(request, depth, signal)
+                self._apply_loop(request, depth, exit_state)
+            elif stage == Stage.EXITED:
+                request.depth = request.exit_depth = depth
+                request.phase = Phase.BOUNDARY
         return list(changed.values())
 
-    def _apply_token(self, request: Request, token: int, logprob: float) -> None:
+    def _apply_token(self, request: Request, token: int, logprob: float, exit_depth: int) -> None:
         request.output_token_ids.append(token)
-        request.exit_depths.append(request.coda_exit_depth)
+        request.exit_depths.append(exit_depth)
         request.logprobs.append(logprob)
-        params = request.params
-        if request.num_outputs >= params.max_tokens:
-            self.finish(request, "length")
-        elif token in params.stop_token_ids or (not params.ignore_eos and token in self.config.eos_token_ids):
+        if token in request.stop_token_ids:  # before length: a stop token as the last output is a stop
             self.finish(request, "stop")
+        elif request.num_outputs >= request.params.max_tokens:
+            self.finish(request, "length")
 
-    def _apply_loop(self, request: Request, depth: int, signal: float) -> None:
-        if request.exit_depth is None and self.policy.signal != Signal.NONE:
-            request.exit_depth, request.exit_state = self.policy.observe(request, depth, signal)
-        if request.exit_depth is not None and depth >= request.exit_depth:
+    def _apply_decoded_token(self, request: Request, token: int, logprob: float, exit_depth: int) -> None:
+        """A token the worker sampled after deciding its position's exit; unless it ended the request,
+        the worker embedded it at the next position in the same plan."""
+        self._apply_token(request, token, logprob, exit_depth)
+        if not request.is_finished:
+            request.position += 1
+            request.phase, request.depth, request.exit_depth = Phase.LOOP, 0, None
+            request.exit_state = self.policy.initial_state
+
+    def _apply_loop(self, request: Request, depth: int, exit_state: float) -> None:
+        """A position ran `depth` loops: a planned one reaches its boundary at its exit depth; a
+        worker-decided one keeps its exit test's state for the next plan."""
+        request.depth = depth
+        if request.exit_depth is None:
+            request.exit_state = exit_state
+        elif depth >= request.exit_depth:
             request.phase = Phase.BOUNDARY

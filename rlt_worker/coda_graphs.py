@@ -107,7 +107,7 @@ class CodaGraphs:
         runner = self.runner
         slots, seeds, indices = self._index[rows]
         positions = torch.zeros_like(slots)  # unread: this coda has no attention
-        hidden = runner.model.coda(runner.state[slots], positions, runner._context(slots, positions, None, 1))
+        hidden = runner.model.coda(runner.state[slots], positions, runner.context(slots, positions, None, 1))
         params = SamplingTensors(temperature=runner.temperature[slots], top_k=runner.top_k[slots],
                                  top_p=runner.top_p[slots], seeds=seeds, indices=indices)
         self._outputs[(rows, greedy)] = sample(runner.model.lm_head(hidden), params, all_greedy=greedy)

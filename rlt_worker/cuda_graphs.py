@@ -3,9 +3,10 @@
 An eager loop pass of the Ouro-1.4B shape is ~1,300 kernel launches, so at every batch size its
 host time exceeds its GPU time (docs/benchmarks.md). A captured pass is one graph launch.
 
-What a graph captures: one loop pass of `rows` RecurrentBatch rows (a policy with no signal),
-from the gather of their state and injected input out of the runner's per-slot tensors to the
-scatter of the new state back, the K/V writes and the Triton attention included. Its only
+What a graph captures: one loop pass of `rows` decode rows (RecurrentBatch rows, or the rows of a
+DecodeBatch pass, whose exit test then runs eagerly on the state the graph left), from the gather
+of their state and injected input out of the runner's per-slot tensors to the scatter of the new
+state back, the K/V writes and the Triton attention included. Its only
 inputs are three static index vectors (slots, positions, depths) of `rows` entries, written by
 one host→device copy before each replay; every other tensor it touches (per-slot state, block
 tables, the KV pool, weights) lives at a fixed address for the worker's life.
@@ -29,8 +30,7 @@ then the capture, which runs nothing. All graphs share one memory pool (they are
 time and keep no outputs), so the captures cost the pool's largest pass plus the graphs
 themselves: `capture_mib` is the growth of the caching allocator's reserved memory over
 `capture_all()` (free device memory would also count other objects of the process being freed). Passes with more
-rows than the largest bucket, prefill, and passes that return an exit signal run eagerly
-(`eager_passes` counts the no-signal ones).
+rows than the largest bucket and prefill run eagerly (`eager_passes` counts the decode ones).
 
 `emulate=True` (CPU tests) runs the same padded, bucketed, static-buffer function eagerly in
 place of a replay: everything but the capture itself is exercised against the float64 oracle.
@@ -64,7 +64,7 @@ class GraphStats:
     """Counters of the decode loop passes (reported by the runner, printed by rlt-bench)."""
 
     replays: int = 0  # passes run from a graph
-    eager_passes: int = 0  # no-signal decode passes that fit no bucket
+    eager_passes: int = 0  # decode loop passes that fit no bucket
     captures: int = 0
     capture_s: float = 0.0
     startup_captures: int = 0  # captured by capture_all() before serving
@@ -204,7 +204,7 @@ class LoopPassGraphs:
         """The captured function: one loop pass of the bucket's static rows."""
         runner = self.runner
         slots, positions, depths = self._index[rows]
-        context = runner._context(slots, positions, depths, width, outer=False)
+        context = runner.context(slots, positions, depths, width, outer=False)
         state = runner.model.loop(runner.state[slots], runner.embedded[slots], positions, context)
         runner.state.index_copy_(0, slots, state)
 

@@ -13,8 +13,9 @@ Per-slot device state (one row per slot):
 
 No host readback sits between a plan's stages: the sampled token stays in `tokens`, the host
 keeps its own copy of the block tables (finalize addresses, table widths), and each stage's
-row columns go to the device in one upload (pinned and asynchronous on CUDA). The only
-device→host copies are the result's, once per plan, when the StepResult is built.
+row columns go to the device in one upload (pinned and asynchronous on CUDA). The device→host
+copies are the result's, when the StepResult is built, and, inside a DecodeBatch
+(rlt_worker/decode_loop.py), each pass's exit decisions and the tokens sampled at its exits.
 """
 
 from __future__ import annotations
@@ -31,18 +32,20 @@ from protocol.messages import (
     AppliedOps,
     BlockAppends,
     CodaBatch,
+    DecodeBatch,
     ExecutionPlan,
     FinalizeBatch,
     PrefillBatch,
     PreludeBatch,
     RecurrentBatch,
-    Signal,
+    SamplingOptions,
     SlotKeys,
     Stage,
     StepResult,
 )
 from rlt_worker.attention import get_backend
 from rlt_worker.cuda_graphs import LoopPassGraphs
+from rlt_worker.decode_loop import DecodeLoop
 from rlt_worker.kv_storage import LAST_EXITED, KVStorage
 from rlt_worker.models.base import LoopedModel
 from rlt_worker.paged_context import PagedContext, PagedPlaneView, PrefillChunks
@@ -101,19 +104,23 @@ class ModelRunner:
             else None
         )
         self.temperature = torch.ones(slots, dtype=torch.float64, device=self.device)
-        # Host knowledge of greedy rows (temperature <= 0), so sampling needs no readback to
-        # choose its path. Reset on every slot opening; set by admit and by a swap import.
-        self.host_greedy = np.zeros(slots, dtype=bool)
         self.top_k = torch.full((slots,), -1, dtype=torch.long, device=self.device)
         self.top_p = torch.ones(slots, dtype=torch.float64, device=self.device)
+        # Each slot's admitted options, on the host: sampling needs no readback to choose its path
+        # (greedy rows: temperature <= 0) or to find a forced token. Set by admit and by a swap import.
+        self.slot_options = [SamplingOptions()] * slots
+        self.host_greedy = np.zeros(slots, dtype=bool)
         self._num_blocks = [0] * slots
         self._max_blocks = max_blocks
         self._pin = self.device.type == "cuda"
         self._slot_of: dict[tuple[int, int], int] = {}
+        self._identity: dict[int, tuple[int, int]] = {}  # the inverse: slot → (key, generation)
         self._free_slots = list(range(slots - 1, -1, -1))
         self._swap = SwapStore()
         self.applied = AppliedOps()  # the slot ops of the current (or last) plan applied so far
         self.fault_hook: Callable[[str], None] | None = None  # tests: fail a plan at a chosen point
+        # tests: (slots, positions, depths) of every loop pass, as it starts (identity() names a slot)
+        self.pass_listener: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None
         self._graphs: LoopPassGraphs | None = None
         if config.cuda_graphs and self.device.type == "cuda":
             self.use_pass_graphs(emulate=False)
@@ -121,7 +128,7 @@ class ModelRunner:
                 self.capture_pass_graphs()
 
     def use_pass_graphs(self, emulate: bool) -> None:
-        """Run no-signal decode loop passes through LoopPassGraphs (emulate: eagerly, CPU tests)."""
+        """Run decode loop passes through LoopPassGraphs (emulate: eagerly, CPU tests)."""
         if self.config.scratch_block < 0:
             raise ValueError("graph-captured passes need a scratch KV block (RunnerConfig.scratch_block)")
         self._graphs = LoopPassGraphs(self, self.config.max_slots, self.config.scratch_block, emulate)
@@ -175,6 +182,8 @@ class ModelRunner:
                 self._finalize(batch)
             elif isinstance(batch, CodaBatch):
                 self._coda(batch, results)
+            elif isinstance(batch, DecodeBatch):
+                DecodeLoop(self, batch).run(results)
         self._swap.export(self, plan.exports)
         self._release(plan.releases)
         self._swap.drop(self, plan.swap_drops)
@@ -191,8 +200,8 @@ class ModelRunner:
             raise SlotError(f"no free slot for {identity}: all {self.config.max_slots} are in use")
         slot = self._free_slots.pop()
         self._slot_of[identity] = slot
+        self._identity[slot] = identity
         self._num_blocks[slot] = 0
-        self.host_greedy[slot] = False
         return slot
 
     def close_slot(self, key: int, generation: int) -> int:
@@ -200,19 +209,41 @@ class ModelRunner:
         slot = self._slot_of.pop((key, generation), None)
         if slot is None:
             raise SlotError(f"release of unknown slot {(key, generation)}")
+        del self._identity[slot]
         self._free_slots.append(slot)
         return slot
+
+    def identity(self, slot: int) -> tuple[int, int]:
+        """The (key, generation) an open slot holds."""
+        return self._identity[slot]
 
     def slot_blocks(self, slot: int) -> np.ndarray:
         """The slot's block ids, [planes, num_blocks] (host mirror)."""
         return self._host_tables[slot, :, : self._num_blocks[slot]]
 
+    def covered_positions(self, row_slots: np.ndarray) -> np.ndarray:
+        """Positions each slot's blocks cover (positions 0 … this − 1 have a KV address)."""
+        return np.asarray(self._num_blocks)[row_slots] * self.storage.block_size
+
     def _admit(self, admit: Admit) -> None:
-        slot = self.open_slot(admit.key, admit.generation)
-        self.temperature[slot] = admit.sampling.temperature
-        self.host_greedy[slot] = admit.sampling.temperature <= 0
-        self.top_k[slot] = admit.sampling.top_k
-        self.top_p[slot] = admit.sampling.top_p
+        self.set_options(self.open_slot(admit.key, admit.generation), admit.sampling)
+
+    def set_options(self, slot: int, options: SamplingOptions) -> None:
+        """A slot's sampling options (at admission, or restored by a swap import)."""
+        self.slot_options[slot] = options
+        self.host_greedy[slot] = options.temperature <= 0
+        self.temperature[slot] = options.temperature
+        self.top_k[slot] = options.top_k
+        self.top_p[slot] = options.top_p
+
+    def forced_tokens(self, slots: np.ndarray, indices: np.ndarray) -> np.ndarray | None:
+        """Teacher forcing: each (slot, output index)'s given token, −1 where it samples; None when no
+        row forces (the common case, answered without a loop over rows)."""
+        options = [self.slot_options[slot] for slot in slots.tolist()]
+        if all(o.forced_tokens is None for o in options):
+            return None
+        return np.array([-1 if o.forced_tokens is None else o.forced_tokens[i]
+                         for o, i in zip(options, indices.tolist(), strict=True)], dtype=np.int64)
 
     def _release(self, releases: SlotKeys) -> None:
         for key, generation in zip(releases.col("keys").tolist(), releases.col("generations").tolist(), strict=True):
@@ -227,9 +258,9 @@ class ModelRunner:
 
     def slot_of(self, key: int, generation: int) -> int:
         """The slot index of an open (key, generation)."""
-        return self._slots(np.array([key]), np.array([generation]))[0]
+        return self.slots_of(np.array([key]), np.array([generation]))[0]
 
-    def _slots(self, keys: np.ndarray, generations: np.ndarray) -> list[int]:
+    def slots_of(self, keys: np.ndarray, generations: np.ndarray) -> list[int]:
         try:
             return [self._slot_of[k] for k in zip(keys.tolist(), generations.tolist(), strict=True)]
         except KeyError as missing:
@@ -238,7 +269,7 @@ class ModelRunner:
     def _append_blocks(self, appends: BlockAppends) -> None:
         if not appends.num_rows:
             return
-        slots = self._slots(appends.col("keys"), appends.col("generations"))
+        slots = self.slots_of(appends.col("keys"), appends.col("generations"))
         block_ids = appends.col("block_ids")
         planes, offset = self.config.num_planes, 0
         index_slots, index_planes, index_cols = [], [], []
@@ -255,17 +286,14 @@ class ModelRunner:
         if not offset:
             return
         # One upload and one scatter for the whole plan: (slot, plane, column) → block id.
-        s_t, p_t, c_t, v_t = self._upload(
+        s_t, p_t, c_t, v_t = self.upload(
             np.concatenate(index_slots), np.concatenate(index_planes), np.concatenate(index_cols), block_ids[:offset]
         )
         self.block_tables[s_t, p_t, c_t] = v_t.to(torch.int32)
 
     # ------------------------------------------------------------------ contexts
 
-    def _tensor(self, values: np.ndarray | list[int]) -> torch.Tensor:
-        return self._upload(values)[0]
-
-    def _upload(self, *columns: np.ndarray | list[int]) -> list[torch.Tensor]:
+    def upload(self, *columns: np.ndarray | list[int]) -> list[torch.Tensor]:
         """int64 device copies of host columns, in one host→device transfer.
 
         On CUDA the columns go through one pinned buffer with a non-blocking copy, so the host
@@ -282,11 +310,11 @@ class ModelRunner:
     def _loop_plane(self, depths: torch.Tensor) -> torch.Tensor:
         return depths - 1 if self.config.kv_layout == LAST_EXITED else torch.zeros_like(depths)
 
-    def _width(self, positions: np.ndarray) -> int:
+    def table_width(self, positions: np.ndarray) -> int:
         """Block-table columns the batch's longest row needs (host-side: no device readback)."""
         return min(self._max_blocks, int(positions.max()) // self.storage.block_size + 1)
 
-    def _context(
+    def context(
         self, slots: torch.Tensor, positions: torch.Tensor, depths: torch.Tensor | None, width: int,
         outer: bool = True, chunks: PrefillChunks | None = None,
     ) -> PagedContext:
@@ -311,7 +339,7 @@ class ModelRunner:
     def _initial_state(self, embedded: torch.Tensor, seeds: np.ndarray, positions: torch.Tensor) -> torch.Tensor:
         noise = None
         if self.model.info.family == "huginn" and self.config.state_init == "random":
-            (seed_tensor,) = self._upload(seeds.view(np.int64))
+            (seed_tensor,) = self.upload(seeds.view(np.int64))
             noise = truncated_normal(seed_tensor, positions, self.model.info.hidden_size)
         return self.model.init_state(embedded, noise)
 
@@ -319,17 +347,17 @@ class ModelRunner:
         if self.prev_logp is not None:
             self.prev_logp[slots] = -math.log(self.model.info.vocab_size)
 
-    # ------------------------------------------------------------------ stages
+    # ------------------------------------------------------------------ stages (batches)
 
     def _prefill(self, batch: PrefillBatch) -> None:
         query_lens = batch.col("query_lens")
         if self.config.kv_layout != LAST_EXITED and query_lens.max() > 1:
             raise SlotError("SHARED prefill runs one position at a time (query_lens must be 1)")
-        row_slots = self._slots(batch.col("keys"), batch.col("generations"))
+        row_slots = self.slots_of(batch.col("keys"), batch.col("generations"))
         starts = batch.col("start_positions")
         host_positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, query_lens, strict=True)])
         cu_query_lens = np.concatenate([[0], np.cumsum(query_lens)])
-        positions, tokens, rows, start_positions, cu, table_rows = self._upload(
+        positions, tokens, rows, start_positions, cu, table_rows = self.upload(
             host_positions, batch.col("token_ids"), row_slots, starts, cu_query_lens,
             np.repeat(np.arange(len(row_slots)), query_lens),
         )
@@ -337,11 +365,11 @@ class ModelRunner:
         # (SHARED always): then a row is its chunk and the decode kernel serves them.
         max_query_len = int(query_lens.max())
         chunks = PrefillChunks(cu, start_positions, table_rows, max_query_len) if max_query_len > 1 else None
-        width = self._width(host_positions)
+        width = self.table_width(host_positions)
 
         def context(depth: int | None) -> PagedContext:
             depths = None if depth is None else torch.full_like(rows, depth)
-            return self._context(rows, positions, depths, width, chunks=chunks)
+            return self.context(rows, positions, depths, width, chunks=chunks)
 
         embedded = self.model.embed(tokens, positions, context(None))
         state = self._initial_state(embedded, np.repeat(batch.col("seeds"), query_lens), positions)
@@ -354,118 +382,104 @@ class ModelRunner:
         self.embedded[rows] = embedded[last]
 
     def _prelude(self, batch: PreludeBatch) -> None:
-        host_positions = batch.col("positions")
-        slots, positions, given = self._upload(
-            self._slots(batch.col("keys"), batch.col("generations")), host_positions, batch.col("token_ids")
-        )
-        tokens = torch.where(given >= 0, given, self.tokens[slots])
-        context = self._context(slots, positions, None, self._width(host_positions))
-        embedded = self.model.embed(tokens, positions, context)
-        self.state[slots] = self._initial_state(embedded, batch.col("seeds"), positions)
-        self.embedded[slots] = embedded
-        self._reset_kl(slots)
+        row_slots = np.asarray(self.slots_of(batch.col("keys"), batch.col("generations")))
+        self.embed_rows(row_slots, batch.col("positions"), batch.col("seeds"), batch.col("token_ids"))
 
     def _recurrent(self, batch: RecurrentBatch, results: ResultBuilder) -> None:
         keys, generations = batch.col("keys"), batch.col("generations")
-        row_slots = np.asarray(self._slots(keys, generations), dtype=np.int64)
+        row_slots = np.asarray(self.slots_of(keys, generations), dtype=np.int64)
         positions, first = batch.col("positions"), batch.col("first_depths")
         num_loops = batch.col("num_loops")
-        if batch.signal != Signal.NONE and num_loops.max() > 1:
-            raise SlotError("rows that return a signal run one loop per plan")
-        signals = None
-        if batch.signal != Signal.NONE:
-            signals = torch.full((len(row_slots),), math.nan, dtype=torch.float64, device=self.device)
-        graphs = self._graphs if batch.signal == Signal.NONE else None
-        uploaded: list[torch.Tensor] | None = None
-        width = self._width(positions)
+        width = self.table_width(positions)  # a row that leaves the pass only narrows what the rest need
         for j in range(int(num_loops.max())):
             active = np.flatnonzero(num_loops > j)
-            if graphs is not None and graphs.run(row_slots[active], positions[active], first[active] + j):
-                continue
-            if uploaded is None:
-                uploaded = self._upload(row_slots, positions, first)
-            all_slots, all_pos, all_first = uploaded
-            if len(active) == len(row_slots):
-                rows = None
-                slots, pos, depths = all_slots, all_pos, all_first + j
-            else:  # rows with fewer loops left the batch; the trimmed width still covers the rest
-                (rows,) = self._upload(active)
-                slots, pos, depths = all_slots[rows], all_pos[rows], all_first[rows] + j
-            previous = self.state[slots]
-            state = self.model.loop(previous, self.embedded[slots], pos, self._context(slots, pos, depths, width))
-            if signals is not None:
-                value = self._signal(batch.signal, slots, pos, previous, state, width)
-                if rows is None:
-                    signals = value
-                else:
-                    signals[rows] = value
-            self.state[slots] = state
-        results.add(Stage.RECURRENT, keys, generations, depths=first + num_loops - 1, signals=signals)
-
-    def _signal(
-        self,
-        kind: Signal,
-        slots: torch.Tensor,
-        positions: torch.Tensor,
-        previous: torch.Tensor,
-        state: torch.Tensor,
-        width: int,
-    ) -> torch.Tensor:
-        if kind == Signal.GATE:
-            return self.model.exit_gate(state).double()
-        if kind == Signal.LATENT:
-            change = (state - previous).double().norm(dim=-1)
-            return change / state.double().norm(dim=-1)
-        # KL(p_{d-1} ‖ p_d); this coda's K/V is overwritten by the position's final CODA.
-        hidden = self.model.coda(state, positions, self._context(slots, positions, None, width))
-        logp = torch.log_softmax(self.model.lm_head(hidden).to(self.prev_logp.dtype), dim=-1)
-        prev = self.prev_logp[slots]
-        self.prev_logp[slots] = logp
-        return (prev.exp() * (prev - logp)).sum(dim=-1).double()
+            self.loop_pass(row_slots[active], positions[active], first[active] + j, width)
+        results.add(Stage.RECURRENT, keys, generations, depths=first + num_loops - 1)
 
     def _finalize(self, batch: FinalizeBatch) -> None:
-        if self.config.kv_layout != LAST_EXITED:
-            return  # SHARED: the one plane already holds each position's last loop
-        slots = self._slots(batch.col("keys"), batch.col("generations"))
-        slots, positions, depths = self._upload(slots, batch.col("positions"), batch.col("exit_depths"))
-        loop_tables = self.block_tables[:, : self.config.max_depth]  # Huginn's outer-layer plane comes after
-        self._backend.finalize_kv(self.storage.pool, loop_tables, slots, positions, depths)
+        row_slots = np.asarray(self.slots_of(batch.col("keys"), batch.col("generations")))
+        self.finalize_rows(row_slots, batch.col("positions"), batch.col("exit_depths"))
 
     def _coda(self, batch: CodaBatch, results: ResultBuilder) -> None:
         keys, generations = batch.col("keys"), batch.col("generations")
-        row_slots = np.asarray(self._slots(keys, generations), dtype=np.int64)
-        host_positions = batch.col("positions")
-        indices = batch.col("sample_indices")
-        sampled = np.flatnonzero(indices >= 0)  # the others ran only for their coda K/V (replay)
-        seeds = batch.col("seeds")[sampled].view(np.int64)
-        host_forced = batch.col("forced_tokens")[sampled]
+        row_slots = np.asarray(self.slots_of(keys, generations), dtype=np.int64)
+        positions, indices = batch.col("positions"), batch.col("sample_indices")
+        replayed = indices < 0  # a replayed position's coda runs for its K/V only
+        if replayed.any():
+            self.coda_kv(row_slots[replayed], positions[replayed])
+        sampled = ~replayed
+        if sampled.any():
+            seeds = batch.col("seeds")[sampled].view(np.int64)
+            tokens, logprobs = self.sample_rows(row_slots[sampled], positions[sampled], seeds, indices[sampled])
+            results.add(Stage.CODA, keys[sampled], generations[sampled], depths=batch.col("exit_depths")[sampled],
+                        tokens=tokens, logprobs=logprobs)
+
+    # ------------------------------------------------------------------ stages (rows)
+    # Host columns in, device work out: the batch handlers above and the decode loop share these.
+
+    def embed_rows(
+        self, row_slots: np.ndarray, host_positions: np.ndarray, seeds: np.ndarray, given: np.ndarray | None = None
+    ) -> None:
+        """PRELUDE: embed each row's input token (`given`, or −1 / None: the token its slot's last CODA
+        sampled) at its position and start its state (loop depth 0)."""
+        slots, positions, *uploaded = self.upload(row_slots, host_positions, *([] if given is None else [given]))
+        tokens = self.tokens[slots] if not uploaded else torch.where(uploaded[0] >= 0, uploaded[0], self.tokens[slots])
+        context = self.context(slots, positions, None, self.table_width(host_positions))
+        embedded = self.model.embed(tokens, positions, context)
+        self.state[slots] = self._initial_state(embedded, seeds, positions)
+        self.embedded[slots] = embedded
+        self._reset_kl(slots)
+
+    def loop_pass(
+        self, row_slots: np.ndarray, host_positions: np.ndarray, depths: np.ndarray, width: int,
+        uploaded: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """One loop of each row at its own depth (a graph replay when one fits); `uploaded`: the
+        three columns already on the device."""
+        if self.pass_listener is not None:
+            self.pass_listener(row_slots, host_positions, depths)
+        if self._graphs is not None and self._graphs.run(row_slots, host_positions, depths):
+            return
+        slots, positions, device_depths = uploaded or self.upload(row_slots, host_positions, depths)
+        context = self.context(slots, positions, device_depths, width)
+        self.state[slots] = self.model.loop(self.state[slots], self.embedded[slots], positions, context)
+
+    def finalize_rows(self, row_slots: np.ndarray, host_positions: np.ndarray, exit_depths: np.ndarray) -> None:
+        """LAST_EXITED: copy each row's exit-plane K/V at its position into every deeper plane."""
+        if self.config.kv_layout != LAST_EXITED or not len(row_slots):
+            return  # SHARED: the one plane already holds each position's last loop
+        slots, positions, depths = self.upload(row_slots, host_positions, exit_depths)
+        loop_tables = self.block_tables[:, : self.config.max_depth]  # Huginn's outer-layer plane comes after
+        self._backend.finalize_kv(self.storage.pool, loop_tables, slots, positions, depths)
+
+    def coda_kv(self, row_slots: np.ndarray, host_positions: np.ndarray) -> None:
+        """The coda of each row's state for its K/V only (a replayed position: nothing is sampled)."""
+        slots, positions = self.upload(row_slots, host_positions)
+        context = self.context(slots, positions, None, self.table_width(host_positions))
+        self.model.coda(self.state[slots], positions, context)
+
+    def sample_rows(
+        self, row_slots: np.ndarray, host_positions: np.ndarray, seeds: np.ndarray, indices: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """CODA: coda + LM head on each row's state, then its output `indices[r]` (seeds: int64 views of
+        the uint64 seeds), or its slot's forced token; the token also goes to the slot for the next
+        PRELUDE. Returns (tokens, logprobs) on the device."""
+        host_forced = self.forced_tokens(row_slots, indices)
         # The general path is exact for greedy rows too; the shortcut only skips the noise.
-        all_greedy = bool(self.host_greedy[row_slots[sampled]].all())
-        any_forced = bool((host_forced >= 0).any())
+        all_greedy = bool(self.host_greedy[row_slots].all())
         coda_graphs = None if self._graphs is None else self._graphs.coda
-        if coda_graphs is not None and len(sampled) == len(row_slots) and not any_forced:
+        if coda_graphs is not None and host_forced is None:
             done = coda_graphs.run(row_slots, seeds, indices, all_greedy)
             if done is not None:
-                results.add(Stage.CODA, keys, generations, tokens=done[0], logprobs=done[1])
-                return
-        slots, positions, rows, seeds, sample_indices, forced = self._upload(
-            row_slots, host_positions, sampled, seeds, indices[sampled], host_forced
+                return done
+        slots, positions, seed_tensor, sample_indices, *forced = self.upload(
+            row_slots, host_positions, seeds, indices, *([] if host_forced is None else [host_forced])
         )
-        context = self._context(slots, positions, None, self._width(host_positions))
+        context = self.context(slots, positions, None, self.table_width(host_positions))
         hidden = self.model.coda(self.state[slots], positions, context)
-        if not len(sampled):
-            return
-        if len(sampled) < len(row_slots):
-            slots, hidden = slots[rows], hidden[rows]
-        params = SamplingTensors(
-            temperature=self.temperature[slots],
-            top_k=self.top_k[slots],
-            top_p=self.top_p[slots],
-            seeds=seeds,
-            indices=sample_indices,
-        )
-        tokens, logprobs = sample(
-            self.model.lm_head(hidden), params, all_greedy=all_greedy, forced=forced if any_forced else None
-        )
+        params = SamplingTensors(temperature=self.temperature[slots], top_k=self.top_k[slots],
+                                 top_p=self.top_p[slots], seeds=seed_tensor, indices=sample_indices)
+        tokens, logprobs = sample(self.model.lm_head(hidden), params, all_greedy=all_greedy,
+                                  forced=forced[0] if forced else None)
         self.tokens[slots] = tokens
-        results.add(Stage.CODA, keys[sampled], generations[sampled], tokens=tokens, logprobs=logprobs)
+        return tokens, logprobs

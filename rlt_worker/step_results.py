@@ -25,26 +25,26 @@ class ResultBuilder:
         generations: np.ndarray,
         *,
         depths: np.ndarray | None = None,
-        signals: torch.Tensor | None = None,
-        tokens: torch.Tensor | None = None,
+        exit_states: torch.Tensor | None = None,
+        tokens: np.ndarray | torch.Tensor | None = None,
         logprobs: torch.Tensor | None = None,
     ) -> None:
-        """Append one batch's rows (absent fields: depth 0, NaN signal, token −1, NaN logprob)."""
+        """Append one batch's rows (absent fields: depth 0, NaN exit state, token −1, NaN logprob)."""
         self._parts.append(
             {"stage": stage, "keys": keys, "generations": generations, "depths": depths,
-             "signals": signals, "tokens": tokens, "logprobs": logprobs}
+             "exit_states": exit_states, "tokens": tokens, "logprobs": logprobs}
         )
 
     def build(self, num_free_slots: int) -> StepResult:
         """The packed StepResult of every row added so far."""
-        columns: dict[str, list[np.ndarray]] = {name: [] for name in ("k", "g", "s", "d", "sig", "t", "lp")}
+        columns: dict[str, list[np.ndarray]] = {name: [] for name in ("k", "g", "s", "d", "x", "t", "lp")}
         for part in self._parts:
             n = len(part["keys"])
             columns["k"].append(part["keys"])
             columns["g"].append(part["generations"])
             columns["s"].append(np.full(n, int(part["stage"])))
             columns["d"].append(_host(part["depths"], n, 0))
-            columns["sig"].append(_host(part["signals"], n, math.nan))
+            columns["x"].append(_host(part["exit_states"], n, math.nan))
             columns["t"].append(_host(part["tokens"], n, -1))
             columns["lp"].append(_host(part["logprobs"], n, math.nan))
 
@@ -54,7 +54,7 @@ class ResultBuilder:
         return StepResult(
             step_id=self.step_id,
             keys=joined("k", I64), generations=joined("g", I64), stages=joined("s", I32),
-            depths=joined("d", I32), signals=joined("sig", F64), tokens=joined("t", I32),
+            depths=joined("d", I32), exit_states=joined("x", F64), tokens=joined("t", I32),
             logprobs=joined("lp", F64), num_free_slots=num_free_slots,
         )
 

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from protocol.messages import SlotKeys
+from protocol.messages import SamplingOptions, SlotKeys
 
 if TYPE_CHECKING:
     from rlt_worker.model_runner import ModelRunner
 
-_SLOT_TENSORS = ("state", "embedded", "tokens", "prev_logp", "temperature", "top_k", "top_p")
+_SLOT_TENSORS = ("state", "embedded", "tokens", "prev_logp")  # the sampling options travel as the admit's
 
 
 @dataclass
@@ -27,7 +27,7 @@ class HostCopy:
 
     rows: dict[str, torch.Tensor]
     pages: torch.Tensor
-    greedy: bool
+    options: SamplingOptions
 
 
 class SwapStore:
@@ -53,8 +53,8 @@ class SwapStore:
                 for name in _SLOT_TENSORS if getattr(runner, name) is not None
             }
             pages = runner.storage.pool[:, :, blocks].to("cpu", copy=True)
-            greedy = bool(runner.host_greedy[slot])
-            self._copies[key] = HostCopy(rows, pages.pin_memory() if pin else pages, greedy)
+            options = runner.slot_options[slot]
+            self._copies[key] = HostCopy(rows, pages.pin_memory() if pin else pages, options)
             runner.close_slot(key, generation)
             runner.applied.exports += 1
 
@@ -69,7 +69,7 @@ class SwapStore:
             runner.applied.imports += 1
             for name, row in self._copies[key].rows.items():
                 getattr(runner, name)[slot] = row.to(runner.device)
-            runner.host_greedy[slot] = self._copies[key].greedy
+            runner.set_options(slot, self._copies[key].options)
             opened.append((key, slot))
         return opened
 

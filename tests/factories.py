@@ -26,9 +26,18 @@ import msgspec
 import torch
 
 from protocol.columns import F64, I32, I64, pack
-from protocol.messages import CodaBatch, ExecutionPlan, FinalizeBatch, RecurrentBatch, SamplingParams, Stage, StepResult
+from protocol.messages import (
+    CodaBatch,
+    DecodeBatch,
+    ExecutionPlan,
+    FinalizeBatch,
+    RecurrentBatch,
+    SamplingParams,
+    Stage,
+    StepResult,
+)
 from rlt_engine import LLM, GenerationOutput, LLMEngine
-from rlt_engine.exit_policy import FixedExit
+from rlt_engine.exit_policy import ExitPolicy, FixedExit
 from rlt_engine.kv_manager import KVManager
 from rlt_engine.request import Request
 from rlt_engine.rng import RngRegistry
@@ -223,11 +232,18 @@ class Driver:
         self.engine = llm.engine
         self.initial = resources(self.engine)
         self.plans: list[ExecutionPlan] = []
+        self.passes: list[LoopPass] = []  # every loop pass the worker ran, planned or decided there
         self.stream: list[GenerationOutput] = []
         self.lives: list[Life] = []
         self.steps = 0
         self._open: dict[str, deque[Life]] = defaultdict(deque)
         self.engine.add_plan_listener(lambda worker, plan: self.plans.append(plan))
+        runner = self.engine.executor._worker.runner
+        runner.pass_listener = lambda slots, positions, depths: self.passes.append(LoopPass(
+            self.plans[-1].step_id,
+            tuple((*runner.identity(s), p, d) for s, p, d in zip(slots.tolist(), positions.tolist(), depths.tolist(),
+                                                                  strict=True)),
+        ))
 
     # -------------------------------------------------------------- actions
 
@@ -338,8 +354,9 @@ def run_workload(llm: LLM, jobs: Iterable[Job], **kwargs: object) -> Driver:
 
 
 def assert_stream_consistent(life: Life) -> None:
-    """A life's outputs grow by exactly one token each, from an empty list, and only the last
-    one is finished; an abort output repeats the tokens delivered so far."""
+    """A life's outputs grow by at least one token each (several when a plan sampled several), from
+    an empty list, and only the last one is finished; an abort output repeats the tokens delivered
+    so far."""
     name = life.job.request_id
     assert life.closed, f"{name}: no finished output was delivered"
     assert not any(o.finished for o in life.outputs[:-1]), f"{name}: outputs after a finished one"
@@ -349,7 +366,7 @@ def assert_stream_consistent(life: Life) -> None:
         if output.finish_reason == "abort":
             assert tokens == previous, f"{name}: abort output {tokens} differs from delivered {previous}"
             continue
-        assert len(tokens) == len(previous) + 1 and tokens[: len(previous)] == previous, (
+        assert len(tokens) > len(previous) and tokens[: len(previous)] == previous, (
             f"{name}: stream went from {previous} to {tokens}"
         )
         assert len(output.exit_depths) == len(tokens), f"{name}: {len(tokens)} tokens, exit depths {output.exit_depths}"
@@ -399,7 +416,7 @@ def assert_matches_reference(
     depths, finish reason, seed and (to float64 rounding) logprobs; and the plans ran every
     generated position through exactly loops 1 … its exit depth, each once (see loops_problem)."""
     problems = []
-    loops = loops_per_position(driver.plans)
+    loops = loops_per_position(driver.passes)
     completed = [life for life in driver.lives if not life.aborted]
     for life in completed:
         job, out = life.job, life.final
@@ -459,19 +476,46 @@ def coda_rows(plan: ExecutionPlan) -> list[tuple[int, int, int]]:
     return _rows(plan, CodaBatch, ("keys", "positions", "sample_indices"))
 
 
+def decode_rows(plan: ExecutionPlan) -> list[tuple[int, int, int, int, int]]:
+    """(key, position, depth, exited, output index) of every DecodeBatch row."""
+    return _rows(plan, DecodeBatch, ("keys", "positions", "depths", "exited", "output_indices"))
+
+
+def record_sampling(llm: LLM) -> list[set[int]]:
+    """The request keys of every sampling call of the in-process runner from now on (CodaBatch rows
+    and the decode loop's exits alike)."""
+    runner = llm.engine.executor._worker.runner
+    calls: list[set[int]] = []
+    real = runner.sample_rows
+
+    def sample_rows(row_slots, *args):  # noqa: ANN001, ANN202 (the runner's signature)
+        calls.append({runner.identity(slot)[0] for slot in row_slots.tolist()})
+        return real(row_slots, *args)
+
+    runner.sample_rows = sample_rows  # an instance attribute shadows the method
+    return calls
+
+
 def finalize_rows(plan: ExecutionPlan) -> list[tuple[int, int, int]]:
     """(key, position, exit depth) of every FINALIZE row."""
     return _rows(plan, FinalizeBatch, ("keys", "positions", "exit_depths"))
 
 
-def loops_per_position(plans: Iterable[ExecutionPlan]) -> dict[tuple[int, int], list[tuple[int, int]]]:
-    """(key, position) → (slot generation, loop depth) of every loop the plans ran there, in
-    plan order."""
+@dataclass(frozen=True)
+class LoopPass:
+    """One loop pass the worker ran (ModelRunner.pass_listener): (key, generation, position, depth)
+    of each row, in the plan of `step_id`."""
+
+    step_id: int
+    rows: tuple[tuple[int, int, int, int], ...]
+
+
+def loops_per_position(passes: Iterable[LoopPass]) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    """(key, position) → (slot generation, loop depth) of every loop run there, in order."""
     loops: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
-    for plan in plans:
-        for row in loop_rows(plan):
-            depths = range(row.first_depth, row.last_depth + 1)
-            loops[(row.key, row.position)].extend((row.generation, d) for d in depths)
+    for loop_pass in passes:
+        for key, generation, position, depth in loop_pass.rows:
+            loops[(key, position)].append((generation, depth))
     return loops
 
 
@@ -488,17 +532,28 @@ def loops_problem(ran: list[tuple[int, int]], exit_depth: int) -> str | None:
     return None
 
 
-def early_exit_batches(plans: Sequence[ExecutionPlan], depth: int) -> list[int]:
-    """Step ids of plans whose RecurrentBatch runs the last loop of some position at a depth
+def early_exit_batches(passes: Sequence[LoopPass], depth: int) -> list[int]:
+    """Step ids of plans with a loop pass that runs the last loop of some position at a depth
     below D (an early exit) alongside a row of another request."""
-    last = {position: max(d for _, d in ran) for position, ran in loops_per_position(plans).items()}
+    last = {position: max(d for _, d in ran) for position, ran in loops_per_position(passes).items()}
     steps = []
-    for plan in plans:
-        rows = loop_rows(plan)
-        exiting = {r.key for r in rows if r.last_depth == last[(r.key, r.position)] < depth}
-        if exiting and len({r.key for r in rows}) >= 2:
-            steps.append(plan.step_id)
+    for loop_pass in passes:
+        exiting = {key for key, _, position, d in loop_pass.rows if d == last[(key, position)] < depth}
+        if exiting and len({key for key, *_ in loop_pass.rows}) >= 2:
+            steps.append(loop_pass.step_id)
     return steps
+
+
+def in_plan_refills(passes: Sequence[LoopPass]) -> list[tuple[int, int]]:
+    """(step id, key) of every refill inside a plan: a pass runs a request's position t + 1 at loop 1
+    right after the previous pass of the same plan ran its position t (which exited there)."""
+    events = []
+    for before, after in itertools.pairwise(passes):
+        if before.step_id != after.step_id:
+            continue
+        ran = {(key, position) for key, _, position, _ in before.rows}
+        events += [(after.step_id, key) for key, _, position, d in after.rows if d == 1 and (key, position - 1) in ran]
+    return events
 
 
 def depth_mix(plans: Iterable[ExecutionPlan]) -> list[set[int]]:
@@ -585,10 +640,11 @@ def all_pairs(factors: dict[str, Sequence[object]]) -> list[dict[str, object]]:
 
 
 def make_scheduler(
-    *, num_workers: int = 1, num_blocks: int = 64, block_size: int = 4, num_planes: int = 4, **overrides: object
+    *, num_workers: int = 1, num_blocks: int = 64, block_size: int = 4, num_planes: int = 4,
+    policy: ExitPolicy | None = None, **overrides: object
 ) -> Scheduler:
-    """A Scheduler with toy-ouro's depth (D = 4, LAST_EXITED planes) and the fixed exit policy,
-    driven without any worker: tests feed it hand-built StepResults (see `result_for`)."""
+    """A Scheduler with toy-ouro's depth (D = 4, LAST_EXITED planes) and the fixed exit policy (or
+    `policy`), driven without any worker: tests feed it hand-built StepResults (see `result_for`)."""
     options: dict[str, object] = dict(
         max_depth=DEPTH["toy-ouro"], kv_layout="last_exited", refill=True, max_num_seqs=4,
         max_num_batched_tokens=64, prefill_chunk_size=8, eos_token_ids=frozenset({257}), coda_has_kv=False,
@@ -596,7 +652,7 @@ def make_scheduler(
     )
     config = SchedulerConfig(**{**options, **overrides})
     kv = [KVManager(num_blocks, block_size, num_planes) for _ in range(num_workers)]
-    return Scheduler(config, FixedExit(), kv, RngRegistry())
+    return Scheduler(config, policy or FixedExit(), kv, RngRegistry())
 
 
 def add_requests(scheduler: Scheduler, n: int, *, prompt_len: int = 3, prefix: str = "r",
@@ -609,21 +665,32 @@ def add_requests(scheduler: Scheduler, n: int, *, prompt_len: int = 3, prefix: s
 
 def result_for(plan: ExecutionPlan, token: int = 7, error: str = "", applied: object = None) -> StepResult:
     """The StepResult a worker would send for `plan`: each RECURRENT row at its last depth, each
-    sampling CODA row with `token`. With `error`, no rows: the plan failed (`applied` says how far)."""
+    sampling CODA row with `token`, each DecodeBatch row one DECODE token (`token`, its position
+    exiting at its depth, at least 1), then at depth 0 of its next position (dropped as stale when
+    the token ended the request). With `error`, no rows: the plan failed (`applied` says how far)."""
     if error:
         return StepResult(step_id=plan.step_id, error=error, applied=applied)
     keys, generations, stages, depths, tokens = [], [], [], [], []
     for key, gen, first, count in _rows(plan, RecurrentBatch, ("keys", "generations", "first_depths", "num_loops")):
         keys.append(key), generations.append(gen), stages.append(Stage.RECURRENT)
         depths.append(first + count - 1), tokens.append(-1)
-    for key, gen, index in _rows(plan, CodaBatch, ("keys", "generations", "sample_indices")):
+    for key, gen, index, exit_depth in _rows(plan, CodaBatch, ("keys", "generations", "sample_indices",
+                                                                "exit_depths")):
         if index >= 0:
-            keys.append(key), generations.append(gen), stages.append(Stage.CODA), depths.append(0)
+            keys.append(key), generations.append(gen), stages.append(Stage.CODA), depths.append(exit_depth)
             tokens.append(token)
+    exit_states = [math.nan] * len(keys)
+    for key, gen, depth in _rows(plan, DecodeBatch, ("keys", "generations", "depths")):
+        keys += [key, key]
+        generations += [gen, gen]
+        stages += [Stage.DECODE, Stage.RECURRENT]
+        depths += [max(depth, 1), 0]
+        tokens += [token, -1]
+        exit_states += [math.nan, 1.0]
     n = len(keys)
     return StepResult(
         step_id=plan.step_id, keys=pack(keys, I64), generations=pack(generations, I64), stages=pack(stages, I32),
-        depths=pack(depths, I32), signals=pack([math.nan] * n, F64), tokens=pack(tokens, I32),
+        depths=pack(depths, I32), exit_states=pack(exit_states, F64), tokens=pack(tokens, I32),
         logprobs=pack([0.0] * n, F64),
     )
 

@@ -19,6 +19,7 @@ from factories import (
     Job,
     assert_matches_reference,
     coda_rows,
+    decode_rows,
     early_exit_batches,
     finalize_rows,
     find_request,
@@ -26,6 +27,7 @@ from factories import (
     make_params,
     make_prompt,
     make_workload,
+    record_sampling,
     reference,
     reference_config,
     reference_model,
@@ -84,7 +86,7 @@ def test_adaptive_exit_matches_reference(model, exit_mode, threshold, kv_layout,
         for d in life.final.exit_depths[1:]
     }
     assert min(gate_decided) < depth, f"the gate never exited early: {gate_decided}"
-    assert early_exit_batches(run.plans, depth), "no early exit inside a loop batch shared with another request"
+    assert early_exit_batches(run.passes, depth), "no early exit inside a loop pass shared with another request"
 
 
 @pytest.mark.parametrize("kv_layout", ["last_exited", "shared"])
@@ -172,13 +174,14 @@ def test_seeded_sampling_ignores_batch_and_arrival_order(model, exit_mode, thres
     results = {}
     for name, (jobs, options) in scenarios.items():
         with make_llm(model, exit_mode=exit_mode, **options) as llm:
+            sampling_calls = record_sampling(llm)
             run = run_workload(llm, jobs)
             run.assert_resources_returned()
         out = run.life("target").final
         results[name] = (tuple(out.token_ids), tuple(out.exit_depths))
         if name != "alone":  # the target really sampled in batches with other requests
             key = run.life("target").key
-            shared = [keys for plan in run.plans if key in (keys := {row[0] for row in coda_rows(plan)})]
+            shared = [keys for keys in sampling_calls if key in keys]
             assert any(len(keys) > 1 for keys in shared), f"{name}: the target's CODA never shared a batch"
     assert len(set(results.values())) == 1, results
     ref = reference(model, target, kv_layout="last_exited", exit_mode=exit_mode)
@@ -272,10 +275,13 @@ def test_abort_in_each_stage_then_reuse_id(stage, model, exit_mode):
         old = driver.add(target)
         request = find_request(llm.engine, "target")
 
-        def target_plan_rows() -> tuple[list, list]:
+        def sampling_in_flight() -> bool:
+            """The submitted plan finalizes and samples a generated output of the target: planned (trace)
+            as FINALIZE and CODA rows, decided in the worker (kl, always exiting at loop 1) as a DECODE row."""
             plan = driver.plans[-1]
-            return ([r for r in coda_rows(plan) if r[0] == old.key and r[2] >= 1],
-                    [r for r in finalize_rows(plan) if r[0] == old.key])
+            planned = ([r for r in coda_rows(plan) if r[0] == old.key and r[2] >= 1]
+                       and [r for r in finalize_rows(plan) if r[0] == old.key])
+            return bool(planned) or any(r[0] == old.key and r[4] >= 1 for r in decode_rows(plan))
 
         if stage == "waiting":
             driver.step()
@@ -290,7 +296,7 @@ def test_abort_in_each_stage_then_reuse_id(stage, model, exit_mode):
             driver.step_until(lambda: request.phase == Phase.BOUNDARY and request.num_outputs >= 1)
             assert any(r.phase == Phase.LOOP for r in llm.engine.scheduler.running[0])
         elif stage == "coda_in_flight":  # the submitted plan finalizes and samples a generated output
-            driver.step_until(lambda: all(target_plan_rows()))
+            driver.step_until(sampling_in_flight)
         delivered = list(old.outputs[-1].token_ids) if old.outputs else []
         stale_before = llm.engine.scheduler.stats.num_stale_rows
 

@@ -9,10 +9,12 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 from factories import DEPTH, MODELS, assert_matches_reference, loop_rows, make_llm, make_workload, run_workload
 
+from protocol.messages import DecodeBatch
 from rlt_worker.cuda_graphs import LoopPassGraphs
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -53,12 +55,15 @@ def test_loops_per_plan_defaults() -> None:
     assert EngineConfig(device="cpu").resolved().cuda_graphs is False
     assert EngineConfig(device="cuda", attention_backend="torch").resolved().cuda_graphs is False
     assert EngineConfig(device="cuda").resolved().cuda_graphs is True
-    assert EngineConfig(device="cuda").resolved().loops_per_plan == 0  # D, once the workers report it
+    assert EngineConfig(device="cuda").resolved().loops_per_plan == 0  # 4·D, once the workers report D
     with pytest.raises(ValueError, match="loops_per_plan"):
         EngineConfig(loops_per_plan=-1)
-    with make_llm("toy-ouro", exit_mode="ouro", loops_per_plan=4) as llm:  # a signal: one loop per plan
+    with make_llm("toy-ouro", exit_mode="ouro", loops_per_plan=4) as llm:  # the worker decides: DecodeBatch
         run = run_workload(llm, _jobs("toy-ouro", "ouro"))
-        assert max(r.num_loops for p in run.plans for r in loop_rows(p)) == 1
+    assert not any(loop_rows(p) for p in run.plans)
+    decode = [b for p in run.plans for b in p.batches if isinstance(b, DecodeBatch)]
+    assert decode and {b.max_passes for b in decode} == {4} and all(b.refill for b in decode)
+    assert max(Counter(p.step_id for p in run.passes).values()) == 4  # a plan of four passes
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -6,8 +6,9 @@
 - The Ouro-1.4B shape in bf16 (synthetic weights), 64 concurrent requests: the CODA logits of
   the Triton path stay close to the torch path's (clear decisions equal; cosine and max|Δ|
   reported), and no NaN appears. Exactness is the float32 tests' job.
-- The Ouro-1.4B shape in float32: torch eager, Triton eager and Triton graphs with D loops per
-  plan give the same tokens and exit depths (trace and ouro exits; the benchmark gate's rule).
+- The Ouro-1.4B shape in float32: torch eager, Triton eager and Triton graphs with 4·D passes per
+  plan give the same tokens and exit depths (trace and ouro exits, ouro's decided in the worker;
+  the benchmark gate's rule).
 - KV pools sized so that a 32-bit offset would wrap (a per-layer stride below 2^31 elements with
   layer × stride above it; a stride above 2^31), both layouts, trace and ouro exits: every run
   completes, and the float32 runs equal the torch path.
@@ -193,15 +194,17 @@ def compare_to_reference(
     return smalls
 
 
-@pytest.mark.parametrize("model,mode", [("toy-ouro", "trace"), ("toy-ouro", "fixed"), ("toy-huginn", "fixed")])
+@pytest.mark.parametrize("model,mode", [("toy-ouro", "trace"), ("toy-ouro", "fixed"), ("toy-huginn", "fixed"),
+                                        ("toy-ouro", "ouro")])
 def test_toy_graphs_and_multi_loop_match_eager(model: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """CUDA-graph passes and multi-loop plans give the eager one-loop-per-plan tokens and exit depths
-    (float32 on CUDA, up to the first small-margin decision; each also against the reference)."""
+    """CUDA-graph passes and multi-loop plans (4·D passes: under ouro the worker's exits and in-plan
+    refill) give the eager one-loop-per-plan tokens and exit depths (float32 on CUDA, up to the first
+    small-margin decision; each also against the reference)."""
     variants = {
         "eager, 1 loop/plan": dict(cuda_graphs=False, loops_per_plan=1),
         "graphs, 1 loop/plan": dict(cuda_graphs=True, loops_per_plan=1),
-        "eager, D loops/plan": dict(cuda_graphs=False, loops_per_plan=0),
-        "graphs, D loops/plan": dict(cuda_graphs=True, loops_per_plan=0),
+        "eager, auto loops/plan": dict(cuda_graphs=False, loops_per_plan=0),
+        "graphs, auto loops/plan": dict(cuda_graphs=True, loops_per_plan=0),
     }
     runs = {name: _run_toy(model, mode, "random", "cuda", "triton", **options) for name, options in variants.items()}
     prompts, params, base, depth, _ = runs["eager, 1 loop/plan"]
@@ -382,7 +385,7 @@ def _check_float32(model: str, layout: str, mode: str, state_init: str = "random
 @pytest.mark.parametrize("mode", ["trace", "ouro"])
 @pytest.mark.parametrize("variant", [
     dict(cuda_graphs=False, loops_per_plan=1),  # Triton eager
-    dict(cuda_graphs=True, loops_per_plan=0),  # Triton graphs, D loops per plan where the policy allows
+    dict(cuda_graphs=True, loops_per_plan=0),  # Triton graphs, 4·D passes per plan (ouro: exits in the worker)
 ])
 def test_ouro_1_4b_float32_triton_equals_torch(mode: str, variant: dict) -> None:
     result, _ = _check_float32("synthetic-ouro-1.4b", "last_exited", mode, num_blocks=1024, **variant)

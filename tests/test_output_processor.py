@@ -106,3 +106,40 @@ def test_stop_string_ends_the_request_and_is_cut_from_the_text():
 
 def _fields(params: SamplingParams) -> dict:
     return {f: getattr(params, f) for f in params.__struct_fields__}
+
+
+def test_several_tokens_at_once_stop_where_single_tokens_would():
+    """A plan may bring several tokens of a request at once: the stop string is matched token by
+    token, so the text, the stopping token and which stop string wins are those of single-token
+    steps (here "c" completes before "abcd", whose match would start earlier)."""
+    for stops, tokens in ((["END"], b"xyENDzz"), (["abcd", "c"], b"abcdef"), (["zz"], b"abc")):
+        single = TextStream(ByteTokenizer().decode_stream(), stop=stops)
+        pieces = []
+        for token in tokens:
+            pieces.append(single.add([token], final=False))
+            if single.stopped:
+                break
+        batched = TextStream(ByteTokenizer().decode_stream(), stop=stops)
+        assert batched.add(list(tokens), final=False) == "".join(pieces)
+        assert batched.stopped == single.stopped
+        assert batched.num_needed == (len(pieces) if single.stopped else 0)
+
+
+def test_outputs_past_a_stop_string_are_dropped_and_never_delivered():
+    """Four outputs arrive in one step and the stop string ends with the third: the request keeps
+    three outputs (tokens, exit depths, logprobs), ends with `stop`, and its output says so."""
+    with make_llm("toy-ouro") as llm:
+        engine = llm.engine
+        engine.add_request("r", [7, 8], SamplingParams(max_tokens=8, ignore_eos=True, seed=1, stop=["yz"]))
+        request = engine.scheduler._live["r"]
+        request.output_token_ids.extend(b"xyzw")
+        request.exit_depths.extend([4, 1, 2, 3])
+        request.logprobs.extend([-1.0, -2.0, -3.0, -4.0])
+        kept = engine.outputs.decode(request)
+        assert kept == 3
+        engine.scheduler.stop_at(request, kept)
+        assert (request.output_token_ids, request.exit_depths, request.logprobs) == (
+            list(b"xyz"), [4, 1, 2], [-1.0, -2.0, -3.0])
+        out = engine.outputs.output(request)
+    assert out.finished and out.finish_reason == "stop"
+    assert (out.token_ids, out.new_exit_depths, out.text) == (list(b"xyz"), [4, 1, 2], "x")

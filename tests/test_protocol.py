@@ -35,8 +35,10 @@ from protocol.messages import (
     ClientInbound,
     ClientOutbound,
     CodaBatch,
+    DecodeBatch,
     EngineError,
     ExecutionPlan,
+    ExitTest,
     FinalizeBatch,
     GenerateRequest,
     HealthReport,
@@ -52,7 +54,6 @@ from protocol.messages import (
     SamplingOptions,
     SamplingParams,
     Shutdown,
-    Signal,
     SlotKeys,
     StepResult,
     WorkerConfig,
@@ -139,7 +140,6 @@ def recurrent_batches(draw: Any) -> RecurrentBatch:
         positions=pack(draw(col(st.integers(0, I32_MAX), n)), I32),
         first_depths=pack(draw(col(st.integers(1, 64), n)), I32),
         num_loops=pack(draw(col(st.integers(1, 64), n)), I32),
-        signal=draw(st.sampled_from(Signal)),
     )
 
 
@@ -163,7 +163,29 @@ def coda_batches(draw: Any) -> CodaBatch:
         positions=pack(draw(col(st.integers(0, I32_MAX), n)), I32),
         seeds=pack(draw(col(UINT64, n)), U64),
         sample_indices=pack(draw(col(st.integers(-1, I32_MAX), n)), I32),
-        forced_tokens=pack(draw(col(st.integers(-1, I32_MAX), n)), I32),
+        exit_depths=pack(draw(col(st.integers(1, 64), n)), I32),
+    )
+
+
+@st.composite
+def decode_batches(draw: Any) -> DecodeBatch:
+    n = draw(ROWS)
+    min_loops = draw(col(st.integers(1, 32), n))
+    return DecodeBatch(
+        keys=pack(draw(col(INT64, n)), I64),
+        generations=pack(draw(col(INT64, n)), I64),
+        positions=pack(draw(col(st.integers(0, I32_MAX), n)), I32),
+        depths=pack(draw(col(st.integers(0, 64), n)), I32),
+        exited=pack(draw(col(st.integers(0, 1), n)), I32),
+        exit_states=pack(draw(col(ANY_FLOAT, n)), F64),
+        output_indices=pack(draw(col(st.integers(0, I32_MAX), n)), I32),
+        seeds=pack(draw(col(UINT64, n)), U64),
+        min_loops=pack(min_loops, I32),
+        max_loops=pack([m + draw(st.integers(0, 32)) for m in min_loops], I32),
+        thresholds=pack(draw(col(ANY_FLOAT, n)), F64),
+        exit_test=draw(st.sampled_from(ExitTest)),
+        max_passes=draw(st.integers(1, 1024)),
+        refill=draw(st.booleans()),
     )
 
 
@@ -173,6 +195,7 @@ STAGE_BATCHES = {
     RecurrentBatch: recurrent_batches(),
     FinalizeBatch: finalize_batches(),
     CodaBatch: coda_batches(),
+    DecodeBatch: decode_batches(),
 }
 stage_batches = st.one_of(*STAGE_BATCHES.values())
 
@@ -181,6 +204,9 @@ sampling_options = st.builds(
     temperature=st.floats(0, 10),
     top_k=st.one_of(st.just(-1), st.integers(1, 1000)),
     top_p=st.floats(0, 1, exclude_min=True),
+    forced_tokens=st.one_of(st.none(), st.lists(st.integers(0, I32_MAX), min_size=1, max_size=8).map(tuple)),
+    max_tokens=st.integers(1, 4096),
+    stop_token_ids=st.lists(st.integers(0, I32_MAX), max_size=8).map(tuple),
 )
 admits = st.builds(Admit, key=INT64, generation=INT64, sampling=sampling_options)
 
@@ -260,9 +286,9 @@ def step_results(draw: Any) -> StepResult:
         step_id=draw(INT64),
         keys=pack(draw(col(INT64, n)), I64),
         generations=pack(draw(col(INT64, n)), I64),
-        stages=pack(draw(col(st.integers(1, 5), n)), I32),
+        stages=pack(draw(col(st.integers(1, 7), n)), I32),
         depths=pack(draw(col(st.integers(0, 64), n)), I32),
-        signals=pack(draw(col(ANY_FLOAT, n)), F64),
+        exit_states=pack(draw(col(ANY_FLOAT, n)), F64),
         tokens=pack(draw(col(st.integers(-1, I32_MAX), n)), I32),
         logprobs=pack(draw(col(ANY_FLOAT, n)), F64),
         num_free_slots=draw(st.integers(0, 4096)),
@@ -431,10 +457,14 @@ def _one_row_of_each_batch() -> list[Any]:
         PreludeBatch(keys=k, generations=g, positions=pack([3], I32), token_ids=pack([-1], I32),
                      seeds=pack([5], U64)),
         RecurrentBatch(keys=k, generations=g, positions=pack([3], I32), first_depths=pack([1], I32),
-                       num_loops=pack([4], I32), signal=Signal.KL),
+                       num_loops=pack([4], I32)),
         FinalizeBatch(keys=k, generations=g, positions=pack([3], I32), exit_depths=pack([2], I32)),
         CodaBatch(keys=k, generations=g, positions=pack([3], I32), seeds=pack([5], U64),
-                  sample_indices=pack([0], I32), forced_tokens=pack([-1], I32)),
+                  sample_indices=pack([0], I32), exit_depths=pack([4], I32)),
+        DecodeBatch(keys=k, generations=g, positions=pack([3], I32), depths=pack([2], I32), exited=pack([0], I32),
+                    exit_states=pack([0.25], F64), output_indices=pack([1], I32), seeds=pack([5], U64),
+                    min_loops=pack([1], I32), max_loops=pack([4], I32), thresholds=pack([0.5], F64),
+                    exit_test=ExitTest.KL, max_passes=8),
     ]
 
 
@@ -453,7 +483,7 @@ def test_plan_with_every_stage_batch_kind_round_trips_in_order() -> None:
     decoded = codec.decode(codec.encode(plan))
     assert decoded == plan
     assert [type(b) for b in decoded.batches] == [type(b) for b in plan.batches]
-    assert decoded.batches[2].signal is Signal.KL
+    assert decoded.batches[5].exit_test is ExitTest.KL and decoded.batches[5].max_passes == 8
     assert decoded.batches[0].col("token_ids").tolist() == [1, 2, 3]
     assert decoded.batches[0].col("seeds").tolist() == [2**64 - 1]
     assert decoded.batches[1].col("token_ids").tolist() == [-1]
@@ -530,7 +560,7 @@ def _sample_frames() -> list[tuple[Any, bytes]]:
         (engine_worker_codec, engine_worker_codec().encode(
             StepResult(step_id=1, keys=pack([1, 2], I64), generations=pack([1, 1], I64),
                        stages=pack([3, 5], I32), depths=pack([2, 2], I32),
-                       signals=pack([0.1, math.nan], F64), tokens=pack([-1, 9], I32),
+                       exit_states=pack([0.1, math.nan], F64), tokens=pack([-1, 9], I32),
                        logprobs=pack([math.nan, -0.3], F64)))),
         (frontend_codec, frontend_codec().encode(
             GenerateRequest(request_id="r", prompt_token_ids=[1, 2, 3],
@@ -637,10 +667,14 @@ OUT_OF_RANGE_WORKER_FRAMES = {
     "prelude token_ids<-1": _plan_frame(_batch_body(PreludeBatch, token_ids=pack([-2], I32))),
     "recurrent first_depths=0": _plan_frame(_batch_body(RecurrentBatch, first_depths=pack([0], I32))),
     "recurrent num_loops=0": _plan_frame(_batch_body(RecurrentBatch, num_loops=pack([0], I32))),
-    "recurrent unknown signal": _plan_frame(_batch_body(RecurrentBatch, signal=9)),
+    "decode unknown exit test": _plan_frame(_batch_body(DecodeBatch, exit_test=9)),
+    "decode max_passes=0": _plan_frame(_batch_body(DecodeBatch, max_passes=0)),
+    "decode depths<0": _plan_frame(_batch_body(DecodeBatch, depths=pack([-1], I32))),
+    "decode min_loops=0": _plan_frame(_batch_body(DecodeBatch, min_loops=pack([0], I32))),
+    "decode max_loops<min_loops": _plan_frame(_batch_body(DecodeBatch, max_loops=pack([0], I32))),
     "finalize exit_depths=0": _plan_frame(_batch_body(FinalizeBatch, exit_depths=pack([0], I32))),
     "coda sample_indices<-1": _plan_frame(_batch_body(CodaBatch, sample_indices=pack([-2], I32))),
-    "coda forced_tokens<-1": _plan_frame(_batch_body(CodaBatch, forced_tokens=pack([-2], I32))),
+    "coda exit_depths=0": _plan_frame(_batch_body(CodaBatch, exit_depths=pack([0], I32))),
     "block_appends num_new<0": frame(["ExecutionPlan", 1, [], [pack([1], I64), pack([1], I64),
                                                              pack([-1], I32), b""]]),
     "block_appends block_ids<0": frame(["ExecutionPlan", 1, [], [pack([1], I64), pack([1], I64),
@@ -661,7 +695,7 @@ OUT_OF_RANGE_WORKER_FRAMES = {
 }
 OUT_OF_RANGE_RESULT_FRAMES = {
     "step result mismatched": frame(["StepResult", 1, pack([1, 2], I64), pack([1], I64)]),
-    "step result signals 12 bytes": frame(["StepResult", 1, b"", b"", b"", b"", b"\x00" * 12]),
+    "step result exit_states 12 bytes": frame(["StepResult", 1, b"", b"", b"", b"", b"\x00" * 12]),
 }
 OUT_OF_RANGE_CLIENT_FRAMES = {
     "max_tokens=0": _params_frame(max_tokens=0),
@@ -859,7 +893,6 @@ def test_256_row_recurrent_plan_is_columnar() -> None:
         positions=pack(np.arange(rows) + 100_000, I32),
         first_depths=pack(np.full(rows, 3), I32),
         num_loops=pack(np.full(rows, 2), I32),
-        signal=Signal.GATE,
     )
     plan = ExecutionPlan(step_id=1, batches=[batch])
     codec = worker_side_codec()
@@ -870,3 +903,20 @@ def test_256_row_recurrent_plan_is_columnar() -> None:
     decoded = codec.decode(encoded)
     assert decoded == plan and decoded.batches[0].num_rows == rows
     np.testing.assert_array_equal(decoded.batches[0].col("positions"), np.arange(rows) + 100_000)
+
+
+def test_256_row_decode_plan_is_columnar() -> None:
+    """The decode hot path: a DecodeBatch of 256 rows costs its 64 bytes of columns per row."""
+    rows = 256
+    ints = pack(np.full(rows, 3), I32)
+    batch = DecodeBatch(
+        keys=pack(np.arange(rows) + 10**12, I64), generations=pack(np.arange(rows) + 10**9, I64),
+        positions=pack(np.arange(rows) + 100_000, I32), depths=ints, exited=pack(np.zeros(rows), I32),
+        exit_states=pack(np.full(rows, 0.5), F64), output_indices=ints, seeds=pack(np.arange(rows), U64),
+        min_loops=pack(np.ones(rows), I32), max_loops=pack(np.full(rows, 4), I32),
+        thresholds=pack(np.full(rows, 0.7), F64), max_passes=16,
+    )
+    codec = worker_side_codec()
+    encoded = codec.encode(ExecutionPlan(step_id=1, batches=[batch]))
+    assert len(encoded) < rows * (8 + 8 + 4 * 3 + 8 + 4 + 8 + 4 * 2 + 8) + 200, len(encoded)
+    assert codec.decode(encoded).batches[0] == batch

@@ -33,7 +33,7 @@ from typing import Any
 
 import msgspec
 
-from protocol.messages import CodaBatch, SamplingParams
+from protocol.messages import SamplingParams
 
 GATE_REQUESTS = 8
 GATE_DTYPE = "float32"
@@ -137,37 +137,37 @@ def _top_two(row: Any) -> tuple[float, float]:
 def record_coda_logits(llm: Any, keep: Callable[[Any], Any]) -> dict[tuple[int, int], Any]:
     """`keep(logits row)` of every sampled CODA row, by (request key, output index).
 
-    In-process engines only (workers=0): it wraps the runner's CODA stage and the model's LM head,
-    and keeps the head's logits while a CODA batch runs (a `kl` signal calls the head as well).
+    In-process engines only (workers=0): it wraps the runner's sampling stage (CodaBatch rows and
+    the decode loop's exits alike) and the model's LM head, and keeps the head's logits while a
+    sampling call runs (a `kl` exit test calls the head as well).
     """
     recorded: dict[tuple[int, int], Any] = {}
-    sampled_rows: list[tuple[list[int], list[int]]] = []  # the running CodaBatch's sampled rows
+    sampled_rows: list[tuple[list[int], list[int]]] = []  # the running call's rows
 
     runner = llm.engine.executor._worker.runner
     if runner._graphs is not None:  # a CODA graph calls lm_head only while it is captured: run CODA eagerly
         runner._graphs.coda = None
-    real_coda, model = runner._coda, runner.model
+    real_sample, model = runner.sample_rows, runner.model
     real_head = model.lm_head
 
-    def coda(batch: CodaBatch, results: Any) -> None:
-        indices = batch.col("sample_indices")
-        sampled = indices >= 0
-        sampled_rows.append((batch.col("keys")[sampled].tolist(), indices[sampled].tolist()))
+    def sample_rows(row_slots: Any, positions: Any, seeds: Any, indices: Any) -> Any:
+        keys = [runner.identity(slot)[0] for slot in row_slots.tolist()]
+        sampled_rows.append((keys, indices.tolist()))
         try:
-            real_coda(batch, results)
+            return real_sample(row_slots, positions, seeds, indices)
         finally:
             sampled_rows.clear()
 
     def head(hidden: Any) -> Any:
         logits = real_head(hidden)
-        if sampled_rows:  # the runner calls the head once per CODA batch, for its sampled rows
+        if sampled_rows:  # the runner calls the head once per sampling call, for its rows
             keys, indices = sampled_rows.pop()
             for row, (key, index) in enumerate(zip(keys, indices, strict=True)):
                 recorded[(key, index)] = keep(logits[row])
         return logits
 
-    runner._coda = coda
-    object.__setattr__(model, "lm_head", head)  # an instance attribute shadows the method
+    runner.sample_rows = sample_rows  # an instance attribute shadows the method
+    object.__setattr__(model, "lm_head", head)
     return recorded
 
 

@@ -44,7 +44,6 @@ from protocol.messages import (
     ExecutionPlan,
     PrefillBatch,
     RecurrentBatch,
-    Signal,
     SlotKeys,
     StepResult,
     WorkerHello,
@@ -106,13 +105,13 @@ def setup_plan(rows: int, num_planes: int, step_id: int = 1) -> ExecutionPlan:
 
 
 def step_plan(rows: int, step_id: int) -> ExecutionPlan:
-    """Loop 1 at position 0 of every open slot, with the Ouro gate signal (0 rows: an empty plan)."""
+    """Loop 1 at position 0 of every open slot (0 rows: an empty plan)."""
     if rows == 0:
         return ExecutionPlan(step_id=step_id)
     keys = list(range(1, rows + 1))
     return ExecutionPlan(step_id=step_id, batches=[RecurrentBatch(
         keys=pack(keys, I64), generations=pack([1] * rows, I64), positions=pack([0] * rows, I32),
-        first_depths=pack([1] * rows, I32), num_loops=pack([1] * rows, I32), signal=Signal.GATE,
+        first_depths=pack([1] * rows, I32), num_loops=pack([1] * rows, I32),
     )])
 
 

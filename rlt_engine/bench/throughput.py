@@ -875,7 +875,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="decode loop passes from CUDA graphs (default: the engine's, on for CUDA + Triton)")
     p.add_argument("--fused-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="Ouro's layers through the fused Triton kernels (default: the engine's, on for CUDA + Triton)")
-    p.add_argument("--loops-per-plan", type=int, default=0, help="0 = the engine's default (D on CUDA, 1 on CPU)")
+    p.add_argument("--loops-per-plan", type=int, default=0, help="0 = the engine's default (4·D on CUDA, 1 on CPU)")
     p.add_argument("--hbm-tbps", type=float, default=HBM_TBPS, help="HBM bandwidth of the floor, TB/s")
     p.add_argument("--json", default=None, help="write the raw numbers here (rewritten after every configuration)")
     p.add_argument("--resume", action="store_true",

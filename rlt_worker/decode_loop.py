@@ -1,0 +1,187 @@
+"""The worker's decode loop: one DecodeBatch's passes, exit tests, boundary work and refill (SPEC §6).
+
+    rows that enter exited    boundary work first
+    pass 1 … max_passes       loop d + 1 of every looping row, each at its own position and depth
+                              → the exit test (rlt_worker/exit_tests.py) → one readback: who exited
+                              refill: their boundary work now; no_refill: they stop (EXITED)
+    boundary work of rows E   [FINALIZE (LAST_EXITED, exit depth < D)] → CODA: output i of each row
+                              → one readback of the tokens: a stop token or output max_tokens − 1
+                              ends a row → the others: PRELUDE of the token at position + 1 (its
+                              depth 0, output i + 1), which joins the next pass
+
+Every draw is the host path's: output i's CODA uses Philox index i under the request's seed, and
+Huginn's state init of position p index p; the exit tests compute what the host policies computed.
+So a row's tokens and exit depths do not depend on how many passes a plan runs.
+
+Coverage. A row loops a position only if its blocks also cover the next one (or the position
+holds its last output): an exit can then always be followed by its PRELUDE, and a row the engine's
+reservation does not reach stops right after a PRELUDE (RECURRENT at depth 0), never mid-boundary.
+
+The loop itself is host-driven: the exit test and the boundary run as eager torch ops on the
+state a pass left (a graph replay when one fits), and the host reads back a few bytes per pass to
+choose the next pass's rows. Nothing else leaves the device until the StepResult is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from protocol.messages import DecodeBatch, Stage
+from rlt_worker.exit_tests import PassRows, make_exit_test
+from rlt_worker.step_results import ResultBuilder
+
+if TYPE_CHECKING:
+    from rlt_worker.model_runner import ModelRunner
+
+INITIAL_EXIT_STATE = 1.0  # a position's exit state before its first loop (∏ (1 − λ) over no loop)
+
+
+@dataclass
+class _Rows:
+    """The batch's rows while the plan runs (row r is batch row r); host columns unless noted."""
+
+    keys: np.ndarray
+    generations: np.ndarray
+    slots: np.ndarray  # int64
+    positions: np.ndarray  # int64, the position each row is at
+    depths: np.ndarray  # int64, loops run there
+    exited: np.ndarray  # bool: the position has exited, its boundary work is pending
+    indices: np.ndarray  # int64, the output index its CODA samples
+    seeds: np.ndarray  # uint64
+    covered: np.ndarray  # int64, positions the row's blocks cover
+    last_index: np.ndarray  # int64, the request's last output index (max_tokens − 1)
+    stop_ids: list[frozenset[int]]
+    running: np.ndarray  # bool: may still loop or do boundary work in this plan
+    finished: np.ndarray  # bool: a token ended its request
+    exit_states: torch.Tensor  # float64 [rows] on the device
+    limits: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # min_loops, max_loops, thresholds on the device
+
+
+class DecodeLoop:
+    """Runs one DecodeBatch on a runner (the runner owns every tensor; this only drives it)."""
+
+    def __init__(self, runner: ModelRunner, batch: DecodeBatch) -> None:
+        self.runner = runner
+        self.batch = batch
+        self.test = make_exit_test(batch.exit_test)
+        self.rows = self._rows(batch)
+
+    def run(self, results: ResultBuilder) -> None:
+        """Passes until every row has stopped or `max_passes` ran; every row's tokens and end into `results`."""
+        rows = self.rows
+        self._stop_unless_completable(np.flatnonzero(~rows.exited))
+        self._boundary(np.flatnonzero(rows.exited), results)
+        for _ in range(self.batch.max_passes):
+            looping = np.flatnonzero(rows.running & ~rows.exited)
+            if not len(looping):
+                break
+            exits = self._pass(looping)
+            if self.batch.refill:
+                self._boundary(exits, results)
+            else:
+                rows.exited[exits] = True  # the cohort's boundary work waits for its last exit
+        self._report_ends(results)
+
+    # ------------------------------------------------------------------ setup
+
+    def _rows(self, batch: DecodeBatch) -> _Rows:
+        runner = self.runner
+        slots = np.asarray(runner.slots_of(batch.col("keys"), batch.col("generations")), dtype=np.int64)
+        options = [runner.slot_options[slot] for slot in slots.tolist()]
+        n = len(slots)
+        min_loops, max_loops = runner.upload(batch.col("min_loops"), batch.col("max_loops"))
+        return _Rows(
+            keys=batch.col("keys"), generations=batch.col("generations"), slots=slots,
+            positions=batch.col("positions").astype(np.int64), depths=batch.col("depths").astype(np.int64),
+            exited=batch.col("exited") > 0, indices=batch.col("output_indices").astype(np.int64),
+            seeds=batch.col("seeds"), covered=runner.covered_positions(slots),
+            last_index=np.array([o.max_tokens - 1 for o in options], dtype=np.int64),
+            stop_ids=[frozenset(o.stop_token_ids) for o in options],
+            running=np.ones(n, dtype=bool), finished=np.zeros(n, dtype=bool),
+            exit_states=self._floats(batch.col("exit_states")),
+            limits=(min_loops, max_loops, self._floats(batch.col("thresholds"))),
+        )
+
+    def _floats(self, column: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(column.astype(np.float64)).to(self.runner.device)
+
+    # ------------------------------------------------------------------ passes
+
+    def _pass(self, looping: np.ndarray) -> np.ndarray:
+        """One loop of each looping row and its exit test; returns the rows that exited."""
+        runner, rows = self.runner, self.rows
+        rows.depths[looping] += 1
+        slots, positions, depths = rows.slots[looping], rows.positions[looping], rows.depths[looping]
+        width = runner.table_width(positions)
+        device_slots, device_positions, device_depths, device_rows = runner.upload(slots, positions, depths, looping)
+        previous = runner.state[device_slots] if self.test.needs_previous_state else None
+        runner.loop_pass(slots, positions, depths, width, (device_slots, device_positions, device_depths))
+        min_loops, max_loops, thresholds = (limit[device_rows] for limit in rows.limits)
+        pass_rows = PassRows(device_slots, device_positions, device_depths, min_loops, max_loops, thresholds, width)
+        exits, states = self.test.decide(runner, pass_rows, previous, rows.exit_states[device_rows])
+        rows.exit_states[device_rows] = states
+        return looping[exits.cpu().numpy()]  # the pass's readback: which rows go to their boundary
+
+    def _boundary(self, exited: np.ndarray, results: ResultBuilder) -> None:
+        """[FINALIZE →] CODA of the exited rows, then PRELUDE of the next token of each that goes on."""
+        rows = self.rows
+        # A row that entered exited waits (EXITED) if its next position has no block yet.
+        ready = (rows.positions[exited] + 1 < rows.covered[exited]) | self._holds_last_output(exited)
+        rows.running[exited[~ready]] = False
+        exited = exited[ready]
+        if not len(exited):
+            return
+        slots, positions, depths = rows.slots[exited], rows.positions[exited], rows.depths[exited]
+        shallow = depths < self.runner.config.max_depth
+        self.runner.finalize_rows(slots[shallow], positions[shallow], depths[shallow])
+        tokens, logprobs = self.runner.sample_rows(slots, positions, rows.seeds[exited].view(np.int64),
+                                                   rows.indices[exited])
+        host_tokens = tokens.cpu().numpy()  # the boundary's readback: stop tokens end their rows
+        results.add(Stage.DECODE, rows.keys[exited], rows.generations[exited], depths=depths, tokens=host_tokens,
+                    logprobs=logprobs)
+        stopped = np.array([t in rows.stop_ids[r] for t, r in zip(host_tokens.tolist(), exited.tolist(),
+                                                                    strict=True)], dtype=bool)
+        ends = stopped | self._holds_last_output(exited)
+        rows.finished[exited[ends]] = True
+        rows.running[exited[ends]] = False
+        self._next_position(exited[~ends])
+
+    def _next_position(self, going_on: np.ndarray) -> None:
+        """PRELUDE of each row's sampled token at its next position (refill: it joins the next pass)."""
+        if not len(going_on):
+            return
+        rows = self.rows
+        rows.positions[going_on] += 1
+        rows.indices[going_on] += 1
+        rows.depths[going_on] = 0
+        rows.exited[going_on] = False
+        rows.exit_states[torch.from_numpy(going_on).to(self.runner.device)] = INITIAL_EXIT_STATE
+        self.runner.embed_rows(rows.slots[going_on], rows.positions[going_on], rows.seeds[going_on])
+        self._stop_unless_completable(going_on)
+
+    def _stop_unless_completable(self, indices: np.ndarray) -> None:
+        """Rows may loop their position only if its PRELUDE-to-be (the next position) has a block."""
+        rows = self.rows
+        completable = (rows.positions[indices] + 1 < rows.covered[indices]) | self._holds_last_output(indices)
+        rows.running[indices[~completable]] = False
+
+    def _holds_last_output(self, indices: np.ndarray) -> np.ndarray:
+        return self.rows.indices[indices] == self.rows.last_index[indices]
+
+    # ------------------------------------------------------------------ results
+
+    def _report_ends(self, results: ResultBuilder) -> None:
+        """Where each row whose request goes on stopped: RECURRENT (looping) or EXITED."""
+        rows = self.rows
+        looping = np.flatnonzero(~rows.finished & ~rows.exited)
+        exited = np.flatnonzero(~rows.finished & rows.exited)
+        if len(looping):
+            states = rows.exit_states[torch.from_numpy(looping).to(self.runner.device)]
+            results.add(Stage.RECURRENT, rows.keys[looping], rows.generations[looping], depths=rows.depths[looping],
+                        exit_states=states)
+        if len(exited):
+            results.add(Stage.EXITED, rows.keys[exited], rows.generations[exited], depths=rows.depths[exited])
