@@ -357,16 +357,16 @@ def run_workload(llm: LLM, jobs: Iterable[Job], **kwargs: object) -> Driver:
 
 def assert_stream_consistent(life: Life) -> None:
     """A life's outputs grow by at least one token each (several when a plan sampled several), from
-    an empty list, and only the last one is finished; an abort output repeats the tokens delivered
-    so far."""
+    an empty list, and only the last one is finished; an abort or error output repeats the tokens
+    delivered so far."""
     name = life.job.request_id
     assert life.closed, f"{name}: no finished output was delivered"
     assert not any(o.finished for o in life.outputs[:-1]), f"{name}: outputs after a finished one"
     previous: list[int] = []
     for output in life.outputs:
         tokens = output.token_ids
-        if output.finish_reason == "abort":
-            assert tokens == previous, f"{name}: abort output {tokens} differs from delivered {previous}"
+        if output.finish_reason in ("abort", "error"):
+            assert tokens == previous, f"{name}: {output.finish_reason} output {tokens} differs from {previous}"
             continue
         assert len(tokens) > len(previous) and tokens[: len(previous)] == previous, (
             f"{name}: stream went from {previous} to {tokens}"

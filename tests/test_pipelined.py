@@ -294,3 +294,33 @@ def test_two_plans_in_flight_by_default_on_cuda_only() -> None:
     assert EngineConfig(device="cpu").resolved().max_plans_in_flight == 1
     with pytest.raises(ValueError, match="max_plans_in_flight"):
         EngineConfig(max_plans_in_flight=3)
+
+
+class _FailOnce:
+    """A runner fault hook: raise the `nth` time a plan reaches `point`."""
+
+    def __init__(self, point: str, nth: int) -> None:
+        self.point, self.left = point, nth
+
+    def __call__(self, point: str) -> None:
+        if point == self.point:
+            self.left -= 1
+            if self.left == 0:
+                raise RuntimeError(f"injected failure at {point}")
+
+
+@pytest.mark.parametrize(("point", "nth"), [("admit", 4), ("batch", 9), ("release", 2)])
+def test_a_failed_plan_with_another_in_flight_leaks_nothing(point: str, nth: int) -> None:
+    """A plan fails midway while the next one is already on the worker: each is reconciled from its
+    own slot ops, the requests they reached end with an error, the rest finish, nothing leaks."""
+    jobs = make_workload(random.Random("fail" + point), 10, depth=4, exit_mode="ouro", sampling=("temperature",),
+                         threshold=0.5, max_tokens=10)
+    llm = make_llm("toy-ouro", exit_mode="ouro", loops_per_plan=2, max_plans_in_flight=2)
+    try:
+        llm.engine.executor._worker.runner.fault_hook = hook = _FailOnce(point, nth)
+        driver = run_workload(llm, jobs)
+        driver.assert_resources_returned()
+    finally:
+        llm.close()
+    reasons = [life.final.finish_reason for life in driver.lives]
+    assert hook.left <= 0 and "error" in reasons and {"length", "stop"} & set(reasons), reasons
