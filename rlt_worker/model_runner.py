@@ -10,11 +10,13 @@ Per-slot device state (one row per slot):
     tokens     the token the slot's last CODA sampled (the next PRELUDE's input)
     prev_logp  Huginn KL: the previous loop's next-token log-distribution
     block_tables [planes, max_blocks]: the mirror of the engine's allocation, grown by deltas
+    decode_cursors where the slot's last DecodeBatch row stopped (a pipelined row continues there)
 
 No host readback sits between a plan's stages: the sampled token stays in `tokens`, the host
 keeps its own copy of the block tables (finalize addresses, table widths), and each stage's
 row columns go to the device in one upload (pinned and asynchronous on CUDA). The device→host
-copies are the result's, when the StepResult is built, and, inside a DecodeBatch
+copies are the result's, started on a side stream once the plan's work is queued (`submit`
+returns before they land, so the next plan's work can queue behind), and, inside a DecodeBatch
 (rlt_worker/decode_loop.py), each pass's exit decisions and the tokens sampled at its exits.
 """
 
@@ -45,13 +47,13 @@ from protocol.messages import (
 )
 from rlt_worker.attention import get_backend
 from rlt_worker.cuda_graphs import LoopPassGraphs
-from rlt_worker.decode_loop import DecodeLoop
+from rlt_worker.decode_loop import DecodeCursors, DecodeLoop
 from rlt_worker.kv_storage import LAST_EXITED, KVStorage
 from rlt_worker.models.base import LoopedModel
 from rlt_worker.paged_context import PagedContext, PagedPlaneView, PrefillChunks
 from rlt_worker.philox import truncated_normal
 from rlt_worker.sampler import SamplingTensors, sample
-from rlt_worker.step_results import ResultBuilder
+from rlt_worker.step_results import PendingResult, ResultBuilder
 from rlt_worker.swap import SwapStore
 
 
@@ -111,6 +113,9 @@ class ModelRunner:
         self.slot_options = [SamplingOptions()] * slots
         self.host_greedy = np.zeros(slots, dtype=bool)
         self._num_blocks = [0] * slots
+        self.decode_cursors = DecodeCursors(slots, self.device)
+        # Results leave the device on their own stream, so the next plan's work does not wait for them.
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._max_blocks = max_blocks
         self._pin = self.device.type == "cuda"
         self._slot_of: dict[tuple[int, int], int] = {}
@@ -155,9 +160,14 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ plan
 
-    @torch.inference_mode()
     def execute(self, plan: ExecutionPlan) -> StepResult:
-        """Apply a plan in its order (admits, appends, batches, releases) and report its rows.
+        """Run a plan and wait for its result."""
+        return self.submit(plan).result()
+
+    @torch.inference_mode()
+    def submit(self, plan: ExecutionPlan) -> PendingResult:
+        """Apply a plan in its order (admits, appends, batches, releases); its result rows are on
+        their way to the host when this returns (on the CPU: there already).
 
         `applied` counts the slot ops done so far, so a plan that raises midway can say which of
         its slot ops took effect (the Worker puts it into the error result)."""
@@ -177,7 +187,7 @@ class ModelRunner:
             elif isinstance(batch, PreludeBatch):
                 self._prelude(batch)
             elif isinstance(batch, RecurrentBatch):
-                self._recurrent(batch, results)
+                self._recurrent(batch)
             elif isinstance(batch, FinalizeBatch):
                 self._finalize(batch)
             elif isinstance(batch, CodaBatch):
@@ -187,7 +197,7 @@ class ModelRunner:
         self._swap.export(self, plan.exports)
         self._release(plan.releases)
         self._swap.drop(self, plan.swap_drops)
-        return results.build(num_free_slots=self.num_free_slots)
+        return results.finish(self.num_free_slots, self._copy_stream)
 
     # ------------------------------------------------------------------ slot table
 
@@ -202,6 +212,7 @@ class ModelRunner:
         self._slot_of[identity] = slot
         self._identity[slot] = identity
         self._num_blocks[slot] = 0
+        self.decode_cursors.reset(slot)
         return slot
 
     def close_slot(self, key: int, generation: int) -> int:
@@ -385,16 +396,15 @@ class ModelRunner:
         row_slots = np.asarray(self.slots_of(batch.col("keys"), batch.col("generations")))
         self.embed_rows(row_slots, batch.col("positions"), batch.col("seeds"), batch.col("token_ids"))
 
-    def _recurrent(self, batch: RecurrentBatch, results: ResultBuilder) -> None:
-        keys, generations = batch.col("keys"), batch.col("generations")
-        row_slots = np.asarray(self.slots_of(keys, generations), dtype=np.int64)
+    def _recurrent(self, batch: RecurrentBatch) -> None:
+        """The planned loops of each row (the engine decided them: nothing is reported)."""
+        row_slots = np.asarray(self.slots_of(batch.col("keys"), batch.col("generations")), dtype=np.int64)
         positions, first = batch.col("positions"), batch.col("first_depths")
         num_loops = batch.col("num_loops")
         width = self.table_width(positions)  # a row that leaves the pass only narrows what the rest need
         for j in range(int(num_loops.max())):
             active = np.flatnonzero(num_loops > j)
             self.loop_pass(row_slots[active], positions[active], first[active] + j, width)
-        results.add(Stage.RECURRENT, keys, generations, depths=first + num_loops - 1)
 
     def _finalize(self, batch: FinalizeBatch) -> None:
         row_slots = np.asarray(self.slots_of(batch.col("keys"), batch.col("generations")))

@@ -443,7 +443,8 @@ class Grid:
     def _engine_options(self, workers: int, mode: str) -> dict[str, Any]:
         a = self.args
         options = dict(self._options(_engine_exit(mode)), workers=workers, attention_backend=a.attention_backend,
-                       loops_per_plan=a.loops_per_plan, enable_prefix_caching=mode != "shared_prefix_uncached")
+                       loops_per_plan=a.loops_per_plan, enable_prefix_caching=mode != "shared_prefix_uncached",
+                       max_plans_in_flight=a.max_plans_in_flight)
         for flag in ("cuda_graphs", "fused_layers"):  # None: the engine's default
             if getattr(a, flag) is not None:
                 options[flag] = getattr(a, flag)
@@ -876,6 +877,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--fused-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="Ouro's layers through the fused Triton kernels (default: the engine's, on for CUDA + Triton)")
     p.add_argument("--loops-per-plan", type=int, default=0, help="0 = the engine's default (4·D on CUDA, 1 on CPU)")
+    p.add_argument("--max-plans-in-flight", type=int, default=0, choices=(0, 1, 2),
+                   help="2: pipelined plans, 1: synchronous, 0 = the engine's default (2 on CUDA, 1 on CPU)")
     p.add_argument("--hbm-tbps", type=float, default=HBM_TBPS, help="HBM bandwidth of the floor, TB/s")
     p.add_argument("--json", default=None, help="write the raw numbers here (rewritten after every configuration)")
     p.add_argument("--resume", action="store_true",
@@ -927,6 +930,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "latent_threshold": args.latent_threshold, "gate_dtype": grid.gate_dtype,
         "gate_output_len": args.gate_output_len,
         "cuda_graphs": args.cuda_graphs, "fused_layers": args.fused_layers, "loops_per_plan": args.loops_per_plan,
+        "max_plans_in_flight": EngineConfig(device=args.device, max_plans_in_flight=args.max_plans_in_flight)
+        .resolved().max_plans_in_flight,
         "sampling": "greedy, ignore_eos",
     }
     # A resumed grid keeps every invocation's conditions: "conditions" holds only the last one's.
@@ -945,7 +950,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot:
         plot(grid.results, args.plot, _title(grid.meta))
     print(table(grid.results))
+    for line in worker_ratios(grid.results):
+        log(line)
     return 0
+
+
+def worker_ratios(results: Sequence[ConfigResult]) -> list[str]:
+    """workers=1 / workers=0 output tokens/s of every (exit, concurrency) measured with both."""
+    by_key = {(r.workers, r.exit_mode, r.concurrency): r.median["tokens_per_s"] for r in results if r.runs}
+    return [f"workers=1 / workers=0, exit={exit_mode} c={c}: {tps / by_key[(0, exit_mode, c)]:.3f} "
+            f"({tps:.1f} / {by_key[(0, exit_mode, c)]:.1f} tok/s)"
+            for (workers, exit_mode, c), tps in sorted(by_key.items()) if workers == 1 and (0, exit_mode, c) in by_key]
 
 
 def _title(meta: dict[str, Any]) -> str:
