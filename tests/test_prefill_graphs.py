@@ -5,13 +5,16 @@
   eager prefill exactly: every live K/V block bit for bit (so padding rows wrote only the scratch
   block), tokens, exit depths, logprobs, and the dense reference;
 - start-up capture covers every bucket, SHARED prefill stays eager (and is counted), and a failed
-  prefill capture leaves the decode graphs on.
+  prefill capture leaves the decode graphs on;
+- in Triton's interpreter (float32, a child process): the padded layout through the Triton prefill
+  kernel (an empty chunk, the padding chunk, a grid of T rows) gives the eager Triton engine's tokens.
 """
 
 from __future__ import annotations
 
 import random
 
+import interp
 import numpy as np
 import pytest
 import torch
@@ -176,3 +179,54 @@ def test_prefill_graph_option() -> None:
     assert EngineConfig(device="cuda", cuda_graphs=False).resolved().cuda_graph_prefill is False
     assert EngineConfig(device="cuda", cuda_graph_prefill=False).resolved().cuda_graph_prefill is False
     assert EngineConfig(device="cpu").resolved().cuda_graph_prefill is False
+
+
+def _interp_triton_engine() -> None:
+    """toy-ouro and toy-huginn, float32, Triton backend: emulated prefill graphs (14 rows of 3 chunks in
+    bucket (16, 4): one empty chunk and a padding chunk of 2 rows) give the eager prefill's tokens and
+    exit depths, CODA logits within 1e-5, K/V within 1e-5, and leave every unwritten block untouched.
+    Decode and CODA graphs are emulated in both runs."""
+    from test_triton_prefill import _record_logits
+
+    from protocol.messages import SamplingParams
+    from rlt_engine import LLM
+
+    prompts = [list(range(3, 3 + n)) for n in (21, 9, 2)]
+    params = [SamplingParams(max_tokens=3, temperature=0.0, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=2, temperature=0.8, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=2, temperature=0.0, seed=9, ignore_eos=True)]
+    for model in MODELS:
+        runs = {}
+        for prefill in (False, True):
+            llm = LLM(model, workers=0, device="cpu", dtype="float32", attention_backend="triton",
+                      exit_mode="fixed", max_loops=2, prefill_chunk_size=6, num_blocks=64, block_size=4)
+            try:
+                runner = llm.engine.executor._worker.runner
+                runner.use_pass_graphs(emulate=True, prefill=prefill)
+                seen = _record_logits(runner.model)
+                outputs = [(o.token_ids, o.exit_depths) for o in llm.generate(prompts, params, use_tqdm=False)]
+                runs[prefill] = outputs, seen, runner.storage.pool[:, :, :-1].clone(), runner.graph_stats
+            finally:
+                llm.close()
+        (eager, eager_logits, eager_pool, _), (graphed, logits, pool, stats) = runs[False], runs[True]
+        assert stats["prefill_buckets"].get("16x4") == 1 and stats["prefill_eager"] == 0, stats
+        assert graphed == eager, (model, graphed, eager)
+        assert len(logits) == len(eager_logits) > 0
+        for got, want in zip(logits, eager_logits, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        unwritten = (eager_pool == 0).all(dim=(0, 1, 3, 4, 5))
+        assert unwritten.any() and not pool[:, :, unwritten].any()
+        torch.testing.assert_close(pool, eager_pool, atol=1e-5, rtol=0)
+
+
+INTERP_CASES = {"triton-engine-padded-prefill": _interp_triton_engine}
+
+
+@pytest.mark.skipif(interp.tb.triton is None, reason="Triton is not installed")
+def test_interpreter_padded_prefill_through_the_triton_kernel() -> None:
+    verdict = interp.verdicts(__file__)["triton-engine-padded-prefill"]
+    assert verdict == "ok", verdict
+
+
+if __name__ == "__main__":
+    interp.main(INTERP_CASES)
