@@ -45,9 +45,11 @@ Buckets (pure functions below, tested on the CPU):
 Capture: with the decode graphs, largest bucket first (`LoopPassGraphs.capture_all`: the shared
 pool grows once, to the largest prefill pass), two warm-up passes on padding rows only, then the
 capture. A failed capture turns off prefill graphs only (`prefill_error`). Eager instead, counted in
-`prefill_eager` (passes): batches whose chunks are all single positions (SHARED always: the decode
-kernel's path), batches of more tokens than the largest bucket, and every prefill after a failed
-capture. `emulate=True` (CPU tests) runs the same padded, static-buffer pass eagerly.
+`prefill_eager` (passes): batches of more tokens than the largest bucket, and every prefill after a
+failed capture. A batch whose chunks are all single positions (SHARED always; a one-token last chunk)
+is graphed too, through the prefill kernel where its eager pass takes the decode kernel: the same
+attention, rounded differently on the GPU (on the CPU both are torch_ref's per-row definition).
+`emulate=True` (CPU tests) runs the same padded, static-buffer pass eagerly.
 """
 
 from __future__ import annotations
@@ -242,7 +244,7 @@ class PrefillGraphs:
         when no bucket takes them (then the runner runs them eagerly)."""
         stats, depth = self.passes.stats, self.runner.config.max_depth
         key = prefill_bucket(chunks.num_rows, len(chunks.slots), self.token_buckets, self.max_slots)
-        if key is None or chunks.max_query_len <= 1:
+        if key is None:
             stats.prefill_eager += depth
             return False
         lazy = key not in self._graphs

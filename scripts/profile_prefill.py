@@ -29,6 +29,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import time
 
 import torch
@@ -105,21 +106,31 @@ def _label(r: dict) -> str:
     return f"chunk {r['chunk']}, prefill graphs {'on' if r['prefill_graphs'] else 'off'}"
 
 
+def print_report(r: dict, prompt_len: int) -> None:
+    share = r["gpu_kernel_s"] / r["profiled_wall_s"] if r["profiled_wall_s"] else 0.0
+    rate = prompt_len / r["ttft_p50_s"]
+    met = r["ttft_p50_s"] <= TARGET_TTFT_S and rate >= TARGET_TOK_S
+    print(f"{_label(r)}: TTFT p50 {r['ttft_p50_s'] * 1e3:.1f} ms ({rate:,.0f} prompt tok/s; targets "
+          f"{'met' if met else 'not met'}); profiled run {r['profiled_wall_s'] * 1e3:.1f} ms wall, "
+          f"{r['gpu_kernel_s'] * 1e3:.1f} ms in {r['kernels']} kernels ({share:.0%} of the wall)")
+    print(f"  graphs: {r['graph_stats']}")
+    for title, rows in (("GPU kernels", r["top_kernels"]), ("host (self CPU time)", r["top_host"])):
+        print(f"  {title}:")
+        for k in rows:
+            print(f"    {k['s'] * 1e3:8.2f} ms  {k['calls']:5d}×  {k['name'][:100]}")
+
+
 def main(args: argparse.Namespace) -> list[dict]:
     settings = [{"on": True, "off": False}[g] for g in args.prefill_graphs.split(",")]
-    reports = [profile_config(args, int(c), g) for c in args.chunk_sizes.split(",") for g in settings]
-    for r in reports:
-        share = r["gpu_kernel_s"] / r["profiled_wall_s"] if r["profiled_wall_s"] else 0.0
-        rate = args.prompt_len / r["ttft_p50_s"]
-        met = r["ttft_p50_s"] <= TARGET_TTFT_S and rate >= TARGET_TOK_S
-        print(f"{_label(r)}: TTFT p50 {r['ttft_p50_s'] * 1e3:.1f} ms ({rate:,.0f} prompt tok/s; targets "
-              f"{'met' if met else 'not met'}); profiled run {r['profiled_wall_s'] * 1e3:.1f} ms wall, "
-              f"{r['gpu_kernel_s'] * 1e3:.1f} ms in {r['kernels']} kernels ({share:.0%} of the wall)")
-        print(f"  graphs: {r['graph_stats']}")
-        for title, rows in (("GPU kernels", r["top_kernels"]), ("host (self CPU time)", r["top_host"])):
-            print(f"  {title}:")
-            for k in rows:
-                print(f"    {k['s'] * 1e3:8.2f} ms  {k['calls']:5d}×  {k['name'][:100]}")
+    reports = []
+    for chunk in args.chunk_sizes.split(","):
+        for graphs in settings:  # each printed (and the JSON rewritten) as soon as it is measured
+            reports.append(profile_config(args, int(chunk), graphs))
+            print_report(reports[-1], args.prompt_len)
+            sys.stdout.flush()
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"prompt_len": args.prompt_len, "model": args.model, "reports": reports}, f, indent=1)
     base = reports[0]["ttft_p50_s"]
     print(f"TTFT ratios to {_label(reports[0])}:", ", ".join(f"{_label(r)}: {r['ttft_p50_s'] / base:.3f}"
                                                           for r in reports))
@@ -129,9 +140,6 @@ def main(args: argparse.Namespace) -> list[dict]:
         if on and off:
             print(f"chunk {chunk}: prefill graphs on / off: TTFT {on['ttft_p50_s'] / off['ttft_p50_s']:.3f}×, "
                   f"prompt tok/s {off['ttft_p50_s'] / on['ttft_p50_s']:.3f}×")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"prompt_len": args.prompt_len, "model": args.model, "reports": reports}, f, indent=1)
     return reports
 
 

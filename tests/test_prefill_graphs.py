@@ -4,8 +4,9 @@
 - the padded, static-buffer pass a graph replays, run eagerly (`emulate=True`), equals the unpadded
   eager prefill exactly: every live K/V block bit for bit (so padding rows wrote only the scratch
   block), tokens, exit depths, logprobs, and the dense reference;
-- start-up capture covers every bucket, SHARED prefill stays eager (and is counted), and a failed
-  prefill capture leaves the decode graphs on;
+- SHARED prefill (single positions, which eagerly take the decode kernel) is graphed too and
+  equals the eager one; start-up capture covers every bucket; a failed prefill capture leaves the
+  decode graphs on;
 - in Triton's interpreter (float32, a child process): the padded layout through the Triton prefill
   kernel (an empty chunk, the padding chunk, a grid of T rows) gives the eager Triton engine's tokens.
 """
@@ -145,10 +146,16 @@ def test_startup_capture_covers_every_prefill_bucket() -> None:
     assert stats["lazy_captures"] == 0 and stats["prefill_eager"] == 0 and stats["prefill_replays"] > 0
 
 
-def test_shared_prefill_stays_eager() -> None:
-    """SHARED prefill runs one position per chunk (the decode kernel's path): eager, and counted."""
-    _, _, stats, _ = _run("toy-ouro", _workloads("toy-ouro")["chunked"], prefill=True, kv_layout="shared")
-    assert stats["prefill_replays"] == 0 and stats["prefill_eager"] > 0
+def test_shared_prefill_is_graphed_too() -> None:
+    """SHARED prefill runs one position per chunk: eagerly through the decode kernel, in a graph through
+    the prefill kernel (on the CPU both are torch_ref's per-row definition): the same outputs."""
+    jobs = _workloads("toy-ouro")["burst"]
+    eager, _, _, _ = _run("toy-ouro", jobs, prefill=False, kv_layout="shared")
+    graphed, _, stats, _ = _run("toy-ouro", jobs, prefill=True, kv_layout="shared")
+    assert stats["prefill_replays"] > 0 and stats["prefill_eager"] == 0 and stats["prefill_padded_rows"] > 0
+    for a, b in zip(eager, graphed, strict=True):
+        assert (a.token_ids, a.exit_depths) == (b.token_ids, b.exit_depths)
+        assert np.allclose(a.logprobs, b.logprobs, rtol=1e-9, atol=1e-12)
 
 
 def test_failed_prefill_capture_keeps_decode_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
