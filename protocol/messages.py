@@ -25,7 +25,8 @@ from protocol.columns import F64, I32, I64, U64, Columnar
 #    prefix_cache_queries and prefix_cache_hits.
 # 6: pipelined plans: DecodeBatch.continues (a row picks up where its slot's last DecodeBatch row
 #    stopped); RecurrentBatch rows are no longer reported (the engine planned them).
-PROTOCOL_VERSION = 6
+# 7: WorkerConfig.cuda_graph_prefill and max_num_batched_tokens (PREFILL chunk passes from CUDA graphs).
+PROTOCOL_VERSION = 7
 
 
 class Stage(enum.IntEnum):
@@ -88,6 +89,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     cuda_graphs: bool = False  # decode loop passes from CUDA graphs (CUDA with the Triton backend)
     fused_layers: bool = False  # Ouro's loop through fused Triton kernels over packed q|k|v, gate|up weights
     cuda_graph_capture: str = "lazy"  # "startup": every graph bucket before WorkerReady | "lazy": at first use
+    cuda_graph_prefill: bool = False  # PREFILL chunk loop passes from CUDA graphs too (needs cuda_graphs)
+    max_num_batched_tokens: int = 0  # token rows of a plan's largest batch (the prefill graphs' top bucket)
 
 
 class WorkerHello(msgspec.Struct, tag=True, array_like=True, kw_only=True):

@@ -66,6 +66,9 @@ class EngineConfig:
     cuda_graph_capture: str = _opt("startup", "when decode-pass graphs are captured: startup (every row × width "
                                               "bucket before the worker reports ready, so no capture lands in a "
                                               "request) or lazy (a bucket at its first use)")
+    cuda_graph_prefill: bool = _opt(True, "replay PREFILL chunk loop passes from CUDA graphs too, bucketed by "
+                                          "token and chunk count up to max_num_batched_tokens and captured with "
+                                          "the decode graphs (needs cuda_graphs; --no-cuda-graph-prefill for A/B)")
     loops_per_plan: int = _opt(0, "most loop passes one plan runs: a position with a known exit depth runs "
                                   "up to this many of its loops; under ouro, ouro_delayed, kl and latent_diff "
                                   "the worker decides exits and samples up to this many + 1 tokens per row "
@@ -134,7 +137,8 @@ class EngineConfig:
         in_flight = self.max_plans_in_flight or (2 if on_cuda else 1)
         return dataclasses.replace(
             self, model=resolve_model(self.model), device=device, dtype=dtype, attention_backend=backend,
-            cuda_graphs=graphs, fused_layers=fused, loops_per_plan=loops_per_plan, max_plans_in_flight=in_flight,
+            cuda_graphs=graphs, cuda_graph_prefill=self.cuda_graph_prefill and graphs, fused_layers=fused,
+            loops_per_plan=loops_per_plan, max_plans_in_flight=in_flight,
         )
 
     def worker_config(self, device: str) -> WorkerConfig:
@@ -155,6 +159,8 @@ class EngineConfig:
             cuda_graphs=self.cuda_graphs,
             fused_layers=self.fused_layers,
             cuda_graph_capture=self.cuda_graph_capture,
+            cuda_graph_prefill=self.cuda_graph_prefill,
+            max_num_batched_tokens=self.max_num_batched_tokens,
         )
 
 

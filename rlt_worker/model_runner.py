@@ -52,6 +52,7 @@ from rlt_worker.kv_storage import LAST_EXITED, KVStorage
 from rlt_worker.models.base import LoopedModel
 from rlt_worker.paged_context import PagedContext, PagedPlaneView, PrefillChunks
 from rlt_worker.philox import truncated_normal
+from rlt_worker.prefill_graphs import DeviceChunks, HostChunks
 from rlt_worker.sampler import SamplingTensors, sample
 from rlt_worker.step_results import PendingResult, ResultBuilder
 from rlt_worker.swap import SwapStore
@@ -75,6 +76,8 @@ class RunnerConfig:
     scratch_block: int = -1
     cuda_graphs: bool = False  # decode loop passes from CUDA graphs (needs scratch_block and CUDA)
     graph_capture: str = "lazy"  # "startup": every graph bucket in the constructor | "lazy": at first use
+    prefill_graphs: bool = False  # PREFILL chunk loop passes from CUDA graphs too (with cuda_graphs)
+    max_batch_tokens: int = 0  # token rows of a plan's largest batch: the prefill graphs' largest bucket
 
 
 class ModelRunner:
@@ -132,21 +135,27 @@ class ModelRunner:
             if config.graph_capture == "startup":  # before the worker reports ready: none while serving
                 self.capture_pass_graphs()
 
-    def use_pass_graphs(self, emulate: bool) -> None:
-        """Run decode loop passes through LoopPassGraphs (emulate: eagerly, CPU tests)."""
-        if self.config.scratch_block < 0:
+    def use_pass_graphs(self, emulate: bool, prefill: bool | None = None) -> None:
+        """Run decode loop passes through LoopPassGraphs (emulate: eagerly, CPU tests), and PREFILL
+        chunk passes too when `prefill` (default: the config's prefill_graphs)."""
+        config = self.config
+        if config.scratch_block < 0:
             raise ValueError("graph-captured passes need a scratch KV block (RunnerConfig.scratch_block)")
-        self._graphs = LoopPassGraphs(self, self.config.max_slots, self.config.scratch_block, emulate)
+        prefill = config.prefill_graphs if prefill is None else prefill
+        if prefill and config.max_batch_tokens < 1:
+            raise ValueError("prefill graphs need the batch token limit (RunnerConfig.max_batch_tokens)")
+        self._graphs = LoopPassGraphs(self, config.max_slots, config.scratch_block, emulate,
+                                      prefill_tokens=config.max_batch_tokens if prefill else 0)
 
     def capture_pass_graphs(self) -> None:
-        """Capture every decode-pass graph bucket now (see LoopPassGraphs.capture_all)."""
+        """Capture every graph bucket now: prefill, decode pass, CODA (see LoopPassGraphs.capture_all)."""
         if self._graphs is None:
             raise ValueError("capture_pass_graphs needs use_pass_graphs first")
         self._graphs.capture_all()
 
     @property
     def graph_stats(self) -> dict | None:
-        """Counters of graph-replayed and eager decode passes (None when graphs are off)."""
+        """Counters of graph-replayed and eager decode and prefill passes (None when graphs are off)."""
         return None if self._graphs is None else self._graphs.stats.as_dict()
 
     @property
@@ -361,36 +370,54 @@ class ModelRunner:
     # ------------------------------------------------------------------ stages (batches)
 
     def _prefill(self, batch: PrefillBatch) -> None:
-        query_lens = batch.col("query_lens")
+        query_lens = batch.col("query_lens").astype(np.int64)
         if self.config.kv_layout != LAST_EXITED and query_lens.max() > 1:
             raise SlotError("SHARED prefill runs one position at a time (query_lens must be 1)")
-        row_slots = self.slots_of(batch.col("keys"), batch.col("generations"))
-        starts = batch.col("start_positions")
-        host_positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, query_lens, strict=True)])
-        cu_query_lens = np.concatenate([[0], np.cumsum(query_lens)])
-        positions, tokens, rows, start_positions, cu, table_rows = self.upload(
-            host_positions, batch.col("token_ids"), row_slots, starts, cu_query_lens,
-            np.repeat(np.arange(len(row_slots)), query_lens),
+        chunks = HostChunks(
+            slots=np.asarray(self.slots_of(batch.col("keys"), batch.col("generations")), dtype=np.int64),
+            start_positions=batch.col("start_positions").astype(np.int64), query_lens=query_lens,
+            token_ids=batch.col("token_ids").astype(np.int64), seeds=batch.col("seeds"),
+        )
+        graphs = None if self._graphs is None else self._graphs.prefill
+        if graphs is None or not graphs.run(chunks):
+            self.prefill_chunks(chunks, self._upload_chunks(chunks))
+
+    def _upload_chunks(self, chunks: HostChunks) -> DeviceChunks:
+        """A prefill batch's columns on the device, in one transfer (nothing is read back)."""
+        positions, tokens, slots, starts, cu, table_rows = self.upload(
+            chunks.positions(), chunks.token_ids, chunks.slots, chunks.start_positions, chunks.cu_query_lens(),
+            chunks.table_rows(),
         )
         # Chunks attend through the backend's prefill kernel, unless every chunk is one position
         # (SHARED always): then a row is its chunk and the decode kernel serves them.
-        max_query_len = int(query_lens.max())
-        chunks = PrefillChunks(cu, start_positions, table_rows, max_query_len) if max_query_len > 1 else None
-        width = self.table_width(host_positions)
+        kernel = PrefillChunks(cu, starts, table_rows, chunks.max_query_len) if chunks.max_query_len > 1 else None
+        return DeviceChunks(slots, positions, tokens, cu, kernel)
+
+    def prefill_chunks(
+        self, host: HostChunks, chunks: DeviceChunks, loops: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+        | None = None,
+    ) -> None:
+        """PREFILL of uploaded chunks: embed, start the state, run the D loop passes (`loops`: a graph's
+        replays, rlt_worker/prefill_graphs.py; None: eagerly here), Huginn's coda K/V of every
+        position, then each chunk's last row's state and input into its slot."""
+        width = self.table_width(np.array([host.max_position]))
 
         def context(depth: int | None) -> PagedContext:
-            depths = None if depth is None else torch.full_like(rows, depth)
-            return self.context(rows, positions, depths, width, chunks=chunks)
+            depths = None if depth is None else torch.full_like(chunks.slots, depth)
+            return self.context(chunks.slots, chunks.positions, depths, width, chunks=chunks.kernel)
 
-        embedded = self.model.embed(tokens, positions, context(None))
-        state = self._initial_state(embedded, np.repeat(batch.col("seeds"), query_lens), positions)
-        for depth in range(1, self.config.max_depth + 1):
-            state = self.model.loop(state, embedded, positions, context(depth))
+        embedded = self.model.embed(chunks.token_ids, chunks.positions, context(None))
+        state = self._initial_state(embedded, np.repeat(host.seeds, host.query_lens), chunks.positions)
+        if loops is not None:
+            state = loops(state, embedded)
+        else:
+            for depth in range(1, self.config.max_depth + 1):
+                state = self.model.loop(state, embedded, chunks.positions, context(depth))
         if self.model.info.num_outer_kv_layers:  # Huginn: coda K/V of every prompt position
-            self.model.coda(state, positions, context(None))
-        last = cu[1:] - 1  # each chunk's last row
-        self.state[rows] = state[last]
-        self.embedded[rows] = embedded[last]
+            self.model.coda(state, chunks.positions, context(None))
+        last = chunks.cu_query_lens[1:] - 1  # each chunk's last row
+        self.state[chunks.slots] = state[last]
+        self.embedded[chunks.slots] = embedded[last]
 
     def _prelude(self, batch: PreludeBatch) -> None:
         row_slots = np.asarray(self.slots_of(batch.col("keys"), batch.col("generations")))

@@ -76,6 +76,8 @@ class Worker:
             scratch_block=num_blocks,
             cuda_graphs=config.cuda_graphs,
             graph_capture=config.cuda_graph_capture,
+            prefill_graphs=config.cuda_graph_prefill,
+            max_batch_tokens=config.max_num_batched_tokens,
         )
         self.runner = ModelRunner(model, storage, runner_config)
         log.info("worker %d ready on %s: %d KV blocks, %d planes", self.index, device, num_blocks, planes)

@@ -240,6 +240,8 @@ worker_configs = st.builds(
     cuda_graphs=st.booleans(),
     fused_layers=st.booleans(),
     cuda_graph_capture=st.sampled_from(["startup", "lazy"]),
+    cuda_graph_prefill=st.booleans(),
+    max_num_batched_tokens=st.integers(0, 2**20),
 )
 model_infos = st.builds(
     ModelInfo,

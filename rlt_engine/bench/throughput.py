@@ -445,7 +445,7 @@ class Grid:
         options = dict(self._options(_engine_exit(mode)), workers=workers, attention_backend=a.attention_backend,
                        loops_per_plan=a.loops_per_plan, enable_prefix_caching=mode != "shared_prefix_uncached",
                        max_plans_in_flight=a.max_plans_in_flight)
-        for flag in ("cuda_graphs", "fused_layers"):  # None: the engine's default
+        for flag in ("cuda_graphs", "cuda_graph_prefill", "fused_layers"):  # None: the engine's default
             if getattr(a, flag) is not None:
                 options[flag] = getattr(a, flag)
         return options
@@ -619,7 +619,8 @@ class Grid:
         graphs_after = _graph_stats(engine)
         if graphs_after is not None:
             config.graphs = {k: graphs_after[k] - (graphs_before or {}).get(k, 0)
-                             for k in ("replays", "eager_passes", "captures", "capture_s", "rows", "padded_rows")}
+                             for k in ("replays", "eager_passes", "captures", "capture_s", "rows", "padded_rows",
+                                       "prefill_replays", "prefill_eager", "prefill_rows", "prefill_padded_rows")}
             log(f"   c={c} graph counters: {config.graphs}")
         kv = engine.kv_managers[0]
         config.memory["kv_pool_gib"] = _kv_pool_bytes(engine.model_info, kv.num_blocks, a.block_size,
@@ -874,6 +875,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="decode loop passes from CUDA graphs (default: the engine's, on for CUDA + Triton)")
+    p.add_argument("--cuda-graph-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="PREFILL chunk passes from CUDA graphs too (default: the engine's, on with --cuda-graphs)")
     p.add_argument("--fused-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="Ouro's layers through the fused Triton kernels (default: the engine's, on for CUDA + Triton)")
     p.add_argument("--loops-per-plan", type=int, default=0, help="0 = the engine's default (4·D on CUDA, 1 on CPU)")
@@ -929,7 +932,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ouro_threshold": args.ouro_threshold, "kl_threshold": args.kl_threshold,
         "latent_threshold": args.latent_threshold, "gate_dtype": grid.gate_dtype,
         "gate_output_len": args.gate_output_len,
-        "cuda_graphs": args.cuda_graphs, "fused_layers": args.fused_layers, "loops_per_plan": args.loops_per_plan,
+        "cuda_graphs": args.cuda_graphs, "cuda_graph_prefill": args.cuda_graph_prefill,
+        "fused_layers": args.fused_layers, "loops_per_plan": args.loops_per_plan,
         "max_plans_in_flight": EngineConfig(device=args.device, max_plans_in_flight=args.max_plans_in_flight)
         .resolved().max_plans_in_flight,
         "sampling": "greedy, ignore_eos",
