@@ -23,7 +23,8 @@ from protocol.columns import F64, I32, I64, U64, Columnar
 #    StepResult.exit_states; RecurrentBatch.signal, StepResult.signals and Signal are gone.
 # 5: prefix caching: RequestOutput.num_cached_tokens, WorkerHealth.kv_blocks_cached, HealthReport's
 #    prefix_cache_queries and prefix_cache_hits.
-PROTOCOL_VERSION = 5
+# 6: mixed batches: PrefillBatch.rides_loop_passes (the chunks' loops ride the plan's loop passes).
+PROTOCOL_VERSION = 6
 
 
 class Stage(enum.IntEnum):
@@ -185,6 +186,9 @@ class PrefillBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_def
 
     Row r covers positions start_positions[r] … + query_lens[r] − 1 of its slot; its tokens
     are the next query_lens[r] entries of token_ids. The last position's state stays in the slot.
+    With `rides_loop_passes` (mixed batches) the chunks' loop d runs in the plan's d-th loop pass
+    (RECURRENT, then DECODE), as extra rows of that pass; loops no pass runs follow alone after the
+    plan's batches, so the state is in the slot when the plan's result is sent.
     """
 
     COLUMNS: ClassVar = {
@@ -199,6 +203,7 @@ class PrefillBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_def
     query_lens: bytes = b""  # i32 [rows], ≥ 1
     seeds: bytes = b""  # u64 [rows], Huginn random state init (purpose 2, index = position)
     token_ids: bytes = b""  # i32 [sum(query_lens)]
+    rides_loop_passes: bool = False  # the chunks' loops share the plan's loop passes (see above)
 
     def __post_init__(self) -> None:
         self._check_columns()

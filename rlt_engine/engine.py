@@ -66,6 +66,7 @@ class LLMEngine:
                               f"{config.state_init}",
             # The runner draws Huginn's random initial state per (seed, position) (ModelRunner._initial_state).
             prompt_kv_seeded=ready.model.family == "huginn" and config.state_init == "random",
+            mixed_batches=config.mixed_batches,
         )
         self.scheduler = Scheduler(scheduler_config, self.policy, kv_managers, self.rng)
         self._busy: set[int] = set()

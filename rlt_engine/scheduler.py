@@ -11,7 +11,8 @@ loop boundaries:
        (refill: at once; no_refill: only when the worker's whole cohort has exited). Under a
        policy whose exits the worker decides (ouro*, kl, latent_diff) a live position is one
        DecodeBatch row instead: the worker loops it, tests it, samples and refills in the plan
-    3. prompt chunks of admitted requests, within max_num_batched_tokens
+    3. prompt chunks of admitted requests, within max_num_batched_tokens; with mixed batches
+       they ride the loop passes of step 2's rows (prefill_mixing.py)
 
 `update(worker, result)` applies a StepResult: tokens, exit depths, exit states, finishes, as if
 the host had decided them. Rows whose key or generation is not the request's current one are
@@ -31,6 +32,7 @@ from rlt_engine.kv_manager import KVManager
 from rlt_engine.placement import Placement
 from rlt_engine.plan_builder import DecodeSettings, PlanBuilder
 from rlt_engine.preemption import make_preemption
+from rlt_engine.prefill_mixing import make_prefill_mixing
 from rlt_engine.prefix_cache import BlockHasher, NoPrefixCaching
 from rlt_engine.request import Phase, Request, RequestStatus
 from rlt_engine.rng import RngRegistry
@@ -63,6 +65,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = False  # full prompt blocks shared through each worker's cache index
     prefix_cache_salt: str = ""  # what a prompt's K/V depends on besides its tokens: model, dtype, layout, D
     prompt_kv_seeded: bool = False  # Huginn's random state init: the prompt's K/V depends on its seed too
+    mixed_batches: bool = False  # prompt chunks ride the loop passes of the step's decode rows
 
 
 @dataclass
@@ -87,6 +90,7 @@ class Scheduler(SchedulerFaults):
         self.policy = policy
         self.rng = rng
         self.preemption = make_preemption(config.preemption)
+        self.mixing = make_prefill_mixing(config.mixed_batches, config.max_depth, config.loops_per_plan)
         self._decode = None if policy.exit_test is None else DecodeSettings(
             policy.exit_test, max_passes=config.loops_per_plan, refill=config.refill)
         self.books = [WorkerBook(w, kv, config.max_num_seqs) for w, kv in enumerate(kv_managers)]
@@ -202,11 +206,14 @@ class Scheduler(SchedulerFaults):
                 if self._ensure_positions(plan, request, min(request.position + 2, request.max_positions)):
                     self._schedule_boundary(plan, request)
                     budget -= 1
+        # A chunk riding the loop passes leaves its boundary work to the next plan (its last loop
+        # runs inside them); no_refill's cohort waits for its last exit.
+        defer_boundary = self.mixing.rides(plan) or cohort_busy
         for request in list(book.running):
             if budget <= 0:
                 break
             if request.phase == Phase.PREFILL and request.status == RequestStatus.RUNNING:
-                budget -= self._schedule_prefill(plan, request, budget, cohort_busy)
+                budget -= self._schedule_prefill(plan, request, budget, defer_boundary)
         if plan.is_empty:
             return None
         for key in plan.named:
@@ -347,7 +354,7 @@ class Scheduler(SchedulerFaults):
         while allocation.num_positions < reach and kv.can_grow():
             plan.append_blocks(request, kv.grow(allocation))
 
-    def _schedule_prefill(self, plan: PlanBuilder, request: Request, budget: int, cohort_busy: bool) -> int:
+    def _schedule_prefill(self, plan: PlanBuilder, request: Request, budget: int, defer_boundary: bool) -> int:
         """Schedule the next prompt chunk; returns the tokens it costs."""
         remaining = request.prompt_len - request.num_prefilled
         chunk = min(remaining, self.config.prefill_chunk_size, budget)
@@ -363,7 +370,7 @@ class Scheduler(SchedulerFaults):
             request.phase = Phase.BOUNDARY
             request.position = request.prompt_len - 1
             request.depth = request.exit_depth = self.config.max_depth
-            if not cohort_busy:
+            if not defer_boundary:
                 self._schedule_boundary(plan, request)
         return chunk
 

@@ -50,6 +50,7 @@ from rlt_worker.kv_storage import LAST_EXITED, KVStorage
 from rlt_worker.models.base import LoopedModel
 from rlt_worker.paged_context import PagedContext, PagedPlaneView, PrefillChunks
 from rlt_worker.philox import truncated_normal
+from rlt_worker.prefill_rows import PrefillRows
 from rlt_worker.sampler import SamplingTensors, sample
 from rlt_worker.step_results import ResultBuilder
 from rlt_worker.swap import SwapStore
@@ -119,9 +120,11 @@ class ModelRunner:
         self._swap = SwapStore()
         self.applied = AppliedOps()  # the slot ops of the current (or last) plan applied so far
         self.fault_hook: Callable[[str], None] | None = None  # tests: fail a plan at a chosen point
-        # tests: (slots, positions, depths) of every loop pass, as it starts (identity() names a slot)
+        # tests: (slots, positions, depths) of every loop pass over slot rows, as it starts, riding prompt
+        # chunks' rows included (identity() names a slot; a chunk's passes of its own are not reported)
         self.pass_listener: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None
         self._graphs: LoopPassGraphs | None = None
+        self._riding: PrefillRows | None = None  # the plan's PREFILL batch while its loops ride the passes
         if config.cuda_graphs and self.device.type == "cuda":
             self.use_pass_graphs(emulate=False)
             if config.graph_capture == "startup":  # before the worker reports ready: none while serving
@@ -163,6 +166,7 @@ class ModelRunner:
         its slot ops took effect (the Worker puts it into the error result)."""
         results = ResultBuilder(plan.step_id)
         self.applied = AppliedOps()
+        self._riding = None  # a failed plan's riding chunk is dropped with the plan
         for admit in plan.admits:
             self.fault_point("admit")
             self._admit(admit)
@@ -184,6 +188,9 @@ class ModelRunner:
                 self._coda(batch, results)
             elif isinstance(batch, DecodeBatch):
                 DecodeLoop(self, batch).run(results)
+        if self._riding is not None:  # the loops no pass ran, then its slots' state
+            self._riding.finish()
+            self._riding = None
         self._swap.export(self, plan.exports)
         self._release(plan.releases)
         self._swap.drop(self, plan.swap_drops)
@@ -336,7 +343,8 @@ class ModelRunner:
             outer_view = PagedPlaneView(outer_tables, positions, block_size, table_rows)
         return PagedContext(self.storage, self._backend, positions, loop_view, outer_view, chunks)
 
-    def _initial_state(self, embedded: torch.Tensor, seeds: np.ndarray, positions: torch.Tensor) -> torch.Tensor:
+    def initial_state(self, embedded: torch.Tensor, seeds: np.ndarray, positions: torch.Tensor) -> torch.Tensor:
+        """The state loop 1 starts from (Huginn's random init draws Philox(seed, 2, position))."""
         noise = None
         if self.model.info.family == "huginn" and self.config.state_init == "random":
             (seed_tensor,) = self.upload(seeds.view(np.int64))
@@ -350,36 +358,11 @@ class ModelRunner:
     # ------------------------------------------------------------------ stages (batches)
 
     def _prefill(self, batch: PrefillBatch) -> None:
-        query_lens = batch.col("query_lens")
-        if self.config.kv_layout != LAST_EXITED and query_lens.max() > 1:
-            raise SlotError("SHARED prefill runs one position at a time (query_lens must be 1)")
-        row_slots = self.slots_of(batch.col("keys"), batch.col("generations"))
-        starts = batch.col("start_positions")
-        host_positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, query_lens, strict=True)])
-        cu_query_lens = np.concatenate([[0], np.cumsum(query_lens)])
-        positions, tokens, rows, start_positions, cu, table_rows = self.upload(
-            host_positions, batch.col("token_ids"), row_slots, starts, cu_query_lens,
-            np.repeat(np.arange(len(row_slots)), query_lens),
-        )
-        # Chunks attend through the backend's prefill kernel, unless every chunk is one position
-        # (SHARED always): then a row is its chunk and the decode kernel serves them.
-        max_query_len = int(query_lens.max())
-        chunks = PrefillChunks(cu, start_positions, table_rows, max_query_len) if max_query_len > 1 else None
-        width = self.table_width(host_positions)
-
-        def context(depth: int | None) -> PagedContext:
-            depths = None if depth is None else torch.full_like(rows, depth)
-            return self.context(rows, positions, depths, width, chunks=chunks)
-
-        embedded = self.model.embed(tokens, positions, context(None))
-        state = self._initial_state(embedded, np.repeat(batch.col("seeds"), query_lens), positions)
-        for depth in range(1, self.config.max_depth + 1):
-            state = self.model.loop(state, embedded, positions, context(depth))
-        if self.model.info.num_outer_kv_layers:  # Huginn: coda K/V of every prompt position
-            self.model.coda(state, positions, context(None))
-        last = cu[1:] - 1  # each chunk's last row
-        self.state[rows] = state[last]
-        self.embedded[rows] = embedded[last]
+        rows = PrefillRows(self, batch)
+        if batch.rides_loop_passes:
+            self._riding = rows  # its loops join the plan's next loop passes; finished after the batches
+        else:
+            rows.finish()
 
     def _prelude(self, batch: PreludeBatch) -> None:
         row_slots = np.asarray(self.slots_of(batch.col("keys"), batch.col("generations")))
@@ -426,7 +409,7 @@ class ModelRunner:
         tokens = self.tokens[slots] if not uploaded else torch.where(uploaded[0] >= 0, uploaded[0], self.tokens[slots])
         context = self.context(slots, positions, None, self.table_width(host_positions))
         embedded = self.model.embed(tokens, positions, context)
-        self.state[slots] = self._initial_state(embedded, seeds, positions)
+        self.state[slots] = self.initial_state(embedded, seeds, positions)
         self.embedded[slots] = embedded
         self._reset_kl(slots)
 
@@ -434,15 +417,29 @@ class ModelRunner:
         self, row_slots: np.ndarray, host_positions: np.ndarray, depths: np.ndarray, width: int,
         uploaded: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """One loop of each row at its own depth (a graph replay when one fits); `uploaded`: the
-        three columns already on the device."""
+        """One loop of each row at its own depth (a graph replay when one fits), with the plan's riding
+        prompt chunks' next loop when they have one left (mixed batches: one eager pass over both);
+        `uploaded`: the three columns already on the device."""
+        riding = self._riding if self._riding is not None and self._riding.num_loops_left else None
         if self.pass_listener is not None:
-            self.pass_listener(row_slots, host_positions, depths)
-        if self._graphs is not None and self._graphs.run(row_slots, host_positions, depths):
+            self._report_pass(row_slots, host_positions, depths, riding)
+        if riding is None and self._graphs is not None and self._graphs.run(row_slots, host_positions, depths):
             return
         slots, positions, device_depths = uploaded or self.upload(row_slots, host_positions, depths)
         context = self.context(slots, positions, device_depths, width)
-        self.state[slots] = self.model.loop(self.state[slots], self.embedded[slots], positions, context)
+        state, embedded = self.state[slots], self.embedded[slots]
+        if riding is None:
+            self.state[slots] = self.model.loop(state, embedded, positions, context)
+        else:
+            self.state[slots] = riding.ride(state, embedded, positions, context)
+
+    def _report_pass(self, row_slots: np.ndarray, host_positions: np.ndarray, depths: np.ndarray,
+                     riding: PrefillRows | None) -> None:
+        if riding is not None:
+            row_slots = np.concatenate([row_slots, riding.host_slots])
+            host_positions = np.concatenate([host_positions, riding.host_positions])
+            depths = np.concatenate([depths, np.full(len(riding.host_slots), riding.depth + 1)])
+        self.pass_listener(row_slots, host_positions, depths)
 
     def finalize_rows(self, row_slots: np.ndarray, host_positions: np.ndarray, exit_depths: np.ndarray) -> None:
         """LAST_EXITED: copy each row's exit-plane K/V at its position into every deeper plane."""

@@ -1,0 +1,236 @@
+"""Mixed batches (`mixed_batches`): prompt chunks ride the loop passes of running decode rows.
+
+CPU, float64, tiny models: every request equals the dense reference and the same workload run with
+separate prefill passes (tokens, exit depths, finish reasons), for planned exits (fixed, trace) and
+exits the worker decides (ouro, kl, latent_diff), both layouts, with prompts arriving while others
+decode, prompts cut into many chunks, preemption of both kinds, a worker lost and replayed, and
+prefix caching; and the passes really are shared. The interpreter case runs the Triton backend.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import interp
+import pytest
+from factories import (
+    DEPTH,
+    SAMPLING,
+    Driver,
+    Job,
+    assert_matches_reference,
+    make_llm,
+    make_workload,
+    run_workload,
+)
+
+from protocol.messages import DecodeBatch, ExecutionPlan, PrefillBatch, SamplingParams
+from rlt_engine.executor import WorkerLost
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+THRESHOLDS = {"fixed": None, "trace": None, "ouro": 0.6, "kl": 1e-3, "latent_diff": 0.05}
+
+
+def jobs_for(model: str, mode: str, n: int = 7, max_prompt_len: int = 30, max_tokens: int = 8) -> list[Job]:
+    """Staggered requests (most arrive while others decode), prompts of up to 30 tokens (up to four
+    chunks of 8), 1 … 8 outputs, every sampling kind."""
+    return make_workload(random.Random(f"mixed-{model}-{mode}"), n, depth=DEPTH[model], exit_mode=mode,
+                         threshold=THRESHOLDS[mode], sampling=tuple(SAMPLING), max_prompt_len=max_prompt_len,
+                         max_tokens=max_tokens, spread=2, vary_limits=True)
+
+
+def run_jobs(model: str, mode: str, jobs: list[Job], *, mixed: bool, **options: object) -> Driver:
+    settings = dict(exit_mode=mode, max_num_seqs=4, prefill_chunk_size=8) | options
+    with make_llm(model, mixed_batches=mixed, **settings) as llm:
+        run = run_workload(llm, jobs)
+        run.assert_resources_returned()
+    return run
+
+
+def finals(run: Driver) -> list[tuple]:
+    return [(life.job.request_id, life.final.token_ids, life.final.exit_depths, life.final.finish_reason)
+            for life in run.lives]
+
+
+def riding_plans(plans: list[ExecutionPlan]) -> list[ExecutionPlan]:
+    return [p for p in plans if any(isinstance(b, PrefillBatch) and b.rides_loop_passes for b in p.batches)]
+
+
+def shared_passes(run: Driver) -> int:
+    """Loop passes holding prompt positions of one request and generated positions of another."""
+    prompt_len = {life.key: len(life.job.prompt) for life in run.lives}
+    count = 0
+    for loop_pass in run.passes:
+        prompting = {key for key, _, position, _ in loop_pass.rows if position < prompt_len[key]}
+        decoding = {key for key, _, position, _ in loop_pass.rows if position >= prompt_len[key]}
+        count += bool(prompting) and bool(decoding - prompting)
+    return count
+
+
+CASES = [
+    ("toy-ouro", "fixed", "last_exited", 1),
+    ("toy-ouro", "fixed", "shared", 4),
+    ("toy-ouro", "ouro", "last_exited", 16),
+    ("toy-ouro", "ouro", "shared", 1),
+    ("toy-huginn", "trace", "last_exited", 6),
+    ("toy-huginn", "kl", "last_exited", 24),
+    ("toy-huginn", "latent_diff", "shared", 6),
+]
+
+
+@pytest.mark.parametrize(("model", "mode", "layout", "loops_per_plan"), CASES,
+                         ids=["-".join(map(str, c)) for c in CASES])
+def test_mixed_batches_equal_separate_passes_and_the_reference(model, mode, layout, loops_per_plan):
+    """Chunks ride the passes of rows decoding at various depths (planned or worker-decided exits,
+    refill inside plans); a mixed plan's DecodeBatch runs min(D, loops_per_plan) passes."""
+    jobs = jobs_for(model, mode)
+    options = dict(kv_layout=layout, loops_per_plan=loops_per_plan)
+    separate = run_jobs(model, mode, jobs, mixed=False, **options)
+    mixed = run_jobs(model, mode, jobs, mixed=True, **options)
+    assert finals(mixed) == finals(separate)
+    assert_matches_reference(mixed, model, kv_layout=layout, exit_mode=mode)
+    assert not riding_plans(separate.plans) and shared_passes(separate) == 0
+    riding = riding_plans(mixed.plans)
+    assert len(riding) >= 3 and shared_passes(mixed) >= 3
+    passes = {b.max_passes for p in riding for b in p.batches if isinstance(b, DecodeBatch)}
+    assert passes <= {min(DEPTH[model], loops_per_plan)}
+    # Not every chunk finds rows to ride: the plans before any request decodes run their chunks alone.
+    assert any(isinstance(b, PrefillBatch) and not b.rides_loop_passes for p in mixed.plans for b in p.batches)
+
+
+def test_a_chunk_that_completes_its_prompt_samples_in_the_next_plan():
+    """A riding chunk's CODA needs its last loop, which runs inside the passes: its request's first
+    token comes from the next plan, as an exited DecodeBatch row; a chunk that runs alone (no loop rows
+    to ride) is followed by its boundary in the same plan."""
+    first = Job("first", tuple(range(1, 6)), SamplingParams(max_tokens=60, seed=1, exit_threshold=0.6, ignore_eos=True))
+    late = Job("late", tuple(range(10, 30)), SamplingParams(max_tokens=3, seed=2, exit_threshold=0.6), arrival=1)
+    run = run_jobs("toy-ouro", "ouro", [first, late], mixed=True, loops_per_plan=16)
+    keys = {life.job.request_id: life.key for life in run.lives}
+    chunks = [(i, b) for i, p in enumerate(run.plans) for b in p.batches if isinstance(b, PrefillBatch)]
+    (alone_at, _), *riding = chunks
+    assert [b.rides_loop_passes for _, b in chunks] == [False, True, True, True]  # 20 tokens: chunks of 8, 8, 4
+    assert (keys["first"], 1) in decode_keys(run.plans[alone_at])  # same plan: its boundary first
+    last_at = riding[-1][0]
+    assert (keys["late"], 1) not in decode_keys(run.plans[last_at])
+    assert (keys["late"], 1) in decode_keys(run.plans[last_at + 1])
+
+
+def decode_keys(plan: ExecutionPlan) -> set[tuple[int, int]]:
+    """(key, exited) of the plan's DecodeBatch rows."""
+    return {(k, e) for b in plan.batches if isinstance(b, DecodeBatch)
+            for k, e in zip(b.col("keys").tolist(), b.col("exited").tolist(), strict=True)}
+
+
+@pytest.mark.parametrize(("model", "layout", "preemption"), [("toy-ouro", "last_exited", "swap"),
+                                                             ("toy-huginn", "shared", "recompute"),
+                                                             ("toy-ouro", "shared", "recompute"),
+                                                             ("toy-huginn", "last_exited", "swap")])
+def test_preemption_with_mixed_batches(model, layout, preemption):
+    """KV for about one long request: growth preempts requests while chunks ride; outputs unchanged."""
+    mode = "ouro" if model == "toy-ouro" else "latent_diff"
+    rng = random.Random(f"preempt-{model}")
+    jobs = [Job(f"r{i}", tuple(rng.randrange(256) for _ in range(rng.randint(9, 20))),
+                SamplingParams(max_tokens=rng.randint(12, 20), temperature=1.0, seed=7 + i, ignore_eos=True,
+                               exit_threshold=THRESHOLDS[mode]), arrival=2 * i) for i in range(8)]
+    planes = {"last_exited": DEPTH[model], "shared": 1}[layout] + (model == "toy-huginn")
+    options = dict(kv_layout=layout, preemption=preemption, block_size=4, num_blocks=10 * planes,
+                   loops_per_plan=2 * DEPTH[model])
+    separate = run_jobs(model, mode, jobs, mixed=False, **options)
+    with make_llm(model, exit_mode=mode, max_num_seqs=4, prefill_chunk_size=8, mixed_batches=True, **options) as llm:
+        mixed = run_workload(llm, jobs)
+        mixed.assert_resources_returned()
+        assert llm.engine.scheduler.stats.num_preemptions >= 3
+    assert finals(mixed) == finals(separate)
+    assert_matches_reference(mixed, model, kv_layout=layout, exit_mode=mode)
+    assert riding_plans(mixed.plans)
+
+
+def lose_worker_before(step: int) -> Callable[[int, Driver], None]:
+    def before_step(steps: int, driver: Driver) -> None:
+        if steps == step:
+            driver.engine._on_worker_lost(0, WorkerLost(0, "injected by the test"))
+    return before_step
+
+
+@pytest.mark.parametrize(("model", "mode", "layout", "step"), [("toy-ouro", "ouro", "last_exited", 10),
+                                                               ("toy-huginn", "trace", "shared", 20),
+                                                               ("toy-huginn", "kl", "last_exited", 9)])
+def test_worker_lost_and_replayed_with_mixed_batches(model, mode, layout, step):
+    """The worker dies while chunks ride; its requests replay (prompt chunks riding again, delivered
+    positions at their recorded depths) and end with the fault-free outputs."""
+    jobs = jobs_for(model, mode)
+    options = dict(kv_layout=layout, loops_per_plan=2 * DEPTH[model], restart_workers=True)
+    separate = run_jobs(model, mode, jobs, mixed=False, **options)
+    with make_llm(model, exit_mode=mode, max_num_seqs=4, prefill_chunk_size=8, mixed_batches=True, **options) as llm:
+        mixed = Driver(llm).run(jobs, before_step=lose_worker_before(step))
+        assert llm.engine.scheduler.stats.num_replays >= 2
+        assert riding_plans(mixed.plans[step:])
+    assert finals(mixed) == finals(separate)
+
+
+@pytest.mark.parametrize(("model", "layout"), [("toy-ouro", "last_exited"), ("toy-huginn", "shared")])
+def test_prefix_caching_with_mixed_batches(model, layout):
+    """Requests sharing a 17-token system prompt arrive while others decode: they hit the cache, run
+    only their own tokens riding the passes, and give the outputs of separate passes without caching
+    (Huginn's state init is zero here, so its prompts' K/V does not depend on their seeds)."""
+    mode = "ouro" if model == "toy-ouro" else "kl"
+    rng = random.Random(f"prefix-{model}")
+    system = tuple(rng.randrange(256) for _ in range(17))
+    jobs = [Job(f"p{i}", system + tuple(rng.randrange(256) for _ in range(rng.randint(1, 9))),
+                SamplingParams(max_tokens=6, temperature=1.0, seed=40 + i, ignore_eos=True,
+                               exit_threshold=THRESHOLDS[mode]), arrival=3 * i) for i in range(6)]
+    options = dict(kv_layout=layout, block_size=4, loops_per_plan=DEPTH[model], state_init="zero")
+    uncached = run_jobs(model, mode, jobs, mixed=False, enable_prefix_caching=False, **options)
+    with make_llm(model, exit_mode=mode, max_num_seqs=4, prefill_chunk_size=8, mixed_batches=True, **options) as llm:
+        cached = run_workload(llm, jobs)
+        assert llm.engine.scheduler.stats.prefix_cache_hits >= 5 * 16
+    assert finals(cached) == finals(uncached)
+    assert riding_plans(cached.plans) and shared_passes(cached)
+
+
+# ---- the Triton backend (interpreter, in a child process) ---------------------------------------------
+
+
+def _interp_engine_mixed() -> None:
+    """toy-ouro (fused loop, emulated pass graphs) and toy-huginn with the Triton backend, float64:
+    mixed batches give the dense reference's tokens and exit depths, chunks through the prefill kernel
+    and decode rows through the decode kernel in one pass."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import torch
+
+    from rlt_worker.models.ouro_fused import with_fused_layers
+
+    torch.set_num_threads(1)
+    for model, mode in (("toy-ouro", "ouro"), ("toy-huginn", "kl")):
+        jobs = jobs_for(model, mode, n=3, max_prompt_len=10, max_tokens=5)
+        with make_llm(model, exit_mode=mode, max_num_seqs=4, prefill_chunk_size=4, attention_backend="triton",
+                      mixed_batches=True, loops_per_plan=DEPTH[model]) as llm:
+            runner = llm.engine.executor._worker.runner
+            if model == "toy-ouro":
+                runner.model = with_fused_layers(runner.model)
+                runner.use_pass_graphs(emulate=True)
+            run = run_workload(llm, jobs)
+        assert_matches_reference(run, model, kv_layout="last_exited", exit_mode=mode)
+        assert shared_passes(run), model
+
+
+INTERP_CASES: dict[str, Callable[[], None]] = {"engine-float64-mixed": _interp_engine_mixed}
+
+
+@pytest.fixture(scope="module")
+def interp_verdicts() -> dict[str, str]:
+    return interp.verdicts(__file__)
+
+
+@pytest.mark.parametrize("case", list(INTERP_CASES))
+def test_interpreter_mixed_batches(interp_verdicts: dict[str, str], case: str) -> None:
+    verdict = interp_verdicts[case]
+    assert verdict == "ok", verdict
+
+
+if __name__ == "__main__":
+    interp.main(INTERP_CASES)
