@@ -16,6 +16,10 @@ keeps its own copy of the block tables (finalize addresses, table widths), and e
 row columns go to the device in one upload (pinned and asynchronous on CUDA). The device→host
 copies are the result's, when the StepResult is built, and, inside a DecodeBatch
 (rlt_worker/decode_loop.py), each pass's exit decisions and the tokens sampled at its exits.
+
+A PREFILL batch's rows (rlt_worker/prefill_rows.py) run their D loops at once, or, when the plan says
+they ride (mixed batches), as extra rows of the plan's next D loop passes; whatever is left of them
+runs after the batches, before any slot op that reads a slot (exports).
 """
 
 from __future__ import annotations
@@ -423,8 +427,11 @@ class ModelRunner:
         riding = self._riding if self._riding is not None and self._riding.num_loops_left else None
         if self.pass_listener is not None:
             self._report_pass(row_slots, host_positions, depths, riding)
-        if riding is None and self._graphs is not None and self._graphs.run(row_slots, host_positions, depths):
-            return
+        if self._graphs is not None:
+            if riding is not None:
+                self._graphs.stats.mixed_passes += 1  # a graph holds fixed rows: a pass with chunks runs eagerly
+            elif self._graphs.run(row_slots, host_positions, depths):
+                return
         slots, positions, device_depths = uploaded or self.upload(row_slots, host_positions, depths)
         context = self.context(slots, positions, device_depths, width)
         state, embedded = self.state[slots], self.embedded[slots]

@@ -192,6 +192,20 @@ def test_prefix_caching_with_mixed_batches(model, layout):
     assert riding_plans(cached.plans) and shared_passes(cached)
 
 
+def test_emulated_pass_graphs_with_mixed_batches():
+    """Passes without chunks replay their graphs; a pass with riding chunks runs eagerly (a graph holds
+    fixed rows) and is counted; the outputs are the reference's."""
+    jobs = jobs_for("toy-ouro", "trace")
+    with make_llm("toy-ouro", exit_mode="trace", max_num_seqs=4, prefill_chunk_size=8, mixed_batches=True,
+                  loops_per_plan=4) as llm:
+        runner = llm.engine.executor._worker.runner
+        runner.use_pass_graphs(emulate=True)
+        run = run_workload(llm, jobs)
+        stats = runner.graph_stats
+    assert_matches_reference(run, "toy-ouro", kv_layout="last_exited", exit_mode="trace")
+    assert stats["replays"] > 0 and stats["mixed_passes"] == shared_passes(run) > 0 and stats["eager_passes"] == 0
+
+
 # ---- the Triton backend (interpreter, in a child process) ---------------------------------------------
 
 
