@@ -187,8 +187,9 @@ class PrefillBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_def
     Row r covers positions start_positions[r] … + query_lens[r] − 1 of its slot; its tokens
     are the next query_lens[r] entries of token_ids. The last position's state stays in the slot.
     With `rides_loop_passes` (mixed batches) the chunks' loop d runs in the plan's d-th loop pass
-    (RECURRENT, then DECODE), as extra rows of that pass; loops no pass runs follow alone after the
-    plan's batches, so the state is in the slot when the plan's result is sent.
+    (RECURRENT, then DECODE), as extra rows of that pass; loops no pass runs follow alone, after the
+    plan's batches at the latest. A DecodeBatch row that enters exited at a riding chunk's last
+    position waits for the chunk's last loop, then samples output 0 and goes on in the same plan.
     """
 
     COLUMNS: ClassVar = {

@@ -69,9 +69,9 @@ class EngineConfig:
                                   "up to this many of its loops; under ouro, ouro_delayed, kl and latent_diff "
                                   "the worker decides exits and samples up to this many + 1 tokens per row "
                                   "(0 = auto: 4·D on cuda, 1 on cpu)")
-    mixed_batches: bool = _opt(False, "prompt chunks ride the loop passes of running decode rows (one pass over "
-                                      "both within max_num_batched_tokens; a plan with chunks then runs "
-                                      "min(D, loops_per_plan) passes), so a new prompt does not stall decodes")
+    mixed_batches: bool = _opt(False, "prompt chunks ride the loop passes of running decode rows (a chunk's D "
+                                      "loops in the plan's first D passes, one pass over both within "
+                                      "max_num_batched_tokens), so a new prompt does not stall decodes")
     enable_prefix_caching: bool = _opt(True, "share the K/V of full prompt blocks between requests on a worker "
                                              "(keyed by a hash chain of their tokens), kept after their last "
                                              "user finishes and evicted least recently used when blocks run short")

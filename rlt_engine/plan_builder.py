@@ -77,7 +77,7 @@ class PlanBuilder:
         self._imports: list[tuple[int, int]] = []
         self._swap_drops: list[tuple[int, int]] = []
         self._rows: dict[type, dict[str, list]] = defaultdict(lambda: defaultdict(list))
-        self._riding_passes = 0  # > 0: the prompt chunks ride the loop passes, a DecodeBatch runs this many
+        self._prefill_rides = False  # the prompt chunks ride the loop passes (mixed batches)
 
     @property
     def is_empty(self) -> bool:
@@ -91,10 +91,9 @@ class PlanBuilder:
         """Whether the plan runs loop passes over slot rows (RECURRENT or DECODE rows)."""
         return RecurrentBatch in self._rows or DecodeBatch in self._rows
 
-    def ride_prefill(self, num_passes: int) -> None:
-        """Mixed batches: the plan's prompt chunks (if it gets any) ride its loop passes, and its
-        DecodeBatch runs `num_passes` passes instead of the engine's max_passes."""
-        self._riding_passes = num_passes
+    def ride_prefill(self) -> None:
+        """Mixed batches: the plan's prompt chunks (if it gets any) ride its loop passes."""
+        self._prefill_rides = True
 
     def _row(self, kind: type, request: Request, **fields: object) -> None:
         self.named.add(request.key)
@@ -205,18 +204,17 @@ class PlanBuilder:
 
     def _pack_batches(self) -> list[StageBatch]:
         batches: list[StageBatch] = []
-        riding = bool(self._riding_passes) and PrefillBatch in self._rows
         for kind in (PrefillBatch, FinalizeBatch, CodaBatch, PreludeBatch, RecurrentBatch, DecodeBatch):
             rows = self._rows.get(kind)
             if not rows:
                 continue
             fields: dict[str, object] = {name: pack(values, kind.COLUMNS[name]) for name, values in rows.items()}
-            if kind is PrefillBatch and riding:
+            if kind is PrefillBatch and self._prefill_rides:
                 fields.update(rides_loop_passes=True)
             if kind is DecodeBatch:
                 assert self._decode is not None, "decode rows under a policy that plans every exit"
-                fields.update(exit_test=self._decode.exit_test, refill=self._decode.refill,
-                              max_passes=self._riding_passes if riding else self._decode.max_passes)
+                fields.update(exit_test=self._decode.exit_test, max_passes=self._decode.max_passes,
+                              refill=self._decode.refill)
             batches.append(kind(**fields))
         return batches
 

@@ -90,7 +90,7 @@ class Scheduler(SchedulerFaults):
         self.policy = policy
         self.rng = rng
         self.preemption = make_preemption(config.preemption)
-        self.mixing = make_prefill_mixing(config.mixed_batches, config.max_depth, config.loops_per_plan)
+        self.mixing = make_prefill_mixing(config.mixed_batches)
         self._decode = None if policy.exit_test is None else DecodeSettings(
             policy.exit_test, max_passes=config.loops_per_plan, refill=config.refill)
         self.books = [WorkerBook(w, kv, config.max_num_seqs) for w, kv in enumerate(kv_managers)]
@@ -206,14 +206,12 @@ class Scheduler(SchedulerFaults):
                 if self._ensure_positions(plan, request, min(request.position + 2, request.max_positions)):
                     self._schedule_boundary(plan, request)
                     budget -= 1
-        # A chunk riding the loop passes leaves its boundary work to the next plan (its last loop
-        # runs inside them); no_refill's cohort waits for its last exit.
-        defer_boundary = self.mixing.rides(plan) or cohort_busy
+        rides = self.mixing.rides(plan)
         for request in list(book.running):
             if budget <= 0:
                 break
             if request.phase == Phase.PREFILL and request.status == RequestStatus.RUNNING:
-                budget -= self._schedule_prefill(plan, request, budget, defer_boundary)
+                budget -= self._schedule_prefill(plan, request, budget, rides, cohort_busy)
         if plan.is_empty:
             return None
         for key in plan.named:
@@ -354,8 +352,13 @@ class Scheduler(SchedulerFaults):
         while allocation.num_positions < reach and kv.can_grow():
             plan.append_blocks(request, kv.grow(allocation))
 
-    def _schedule_prefill(self, plan: PlanBuilder, request: Request, budget: int, defer_boundary: bool) -> int:
-        """Schedule the next prompt chunk; returns the tokens it costs."""
+    def _schedule_prefill(
+        self, plan: PlanBuilder, request: Request, budget: int, rides: bool, cohort_busy: bool
+    ) -> int:
+        """Schedule the next prompt chunk (`rides`: in the plan's loop passes); returns the tokens it costs.
+
+        The prompt's last chunk is followed by its boundary work in the same plan, except under no_refill
+        while the cohort loops, and after a riding chunk unless that work is a DecodeBatch row."""
         remaining = request.prompt_len - request.num_prefilled
         chunk = min(remaining, self.config.prefill_chunk_size, budget)
         if self.config.kv_layout == "shared":
@@ -370,9 +373,15 @@ class Scheduler(SchedulerFaults):
             request.phase = Phase.BOUNDARY
             request.position = request.prompt_len - 1
             request.depth = request.exit_depth = self.config.max_depth
-            if not defer_boundary:
+            if not cohort_busy and (not rides or self._decodes_first_output(request)):
                 self._schedule_boundary(plan, request)
         return chunk
+
+    def _decodes_first_output(self, request: Request) -> bool:
+        """Whether the boundary after the prompt is a DecodeBatch row: the worker decides exits and output
+        0 is not a replayed one. The worker holds such a row until a riding chunk's last loop has run;
+        CODA rows, which run before the plan's loop passes, would read a state not computed yet."""
+        return self._decode is not None and request.num_outputs == 0
 
     def _schedule_boundary(self, plan: PlanBuilder, request: Request) -> None:
         """[finalize →] CODA of the exited position, then PRELUDE + loop 1 of the next one.

@@ -192,9 +192,7 @@ class ModelRunner:
                 self._coda(batch, results)
             elif isinstance(batch, DecodeBatch):
                 DecodeLoop(self, batch).run(results)
-        if self._riding is not None:  # the loops no pass ran, then its slots' state
-            self._riding.finish()
-            self._riding = None
+        self.finish_riding()
         self._swap.export(self, plan.exports)
         self._release(plan.releases)
         self._swap.drop(self, plan.swap_drops)
@@ -368,6 +366,22 @@ class ModelRunner:
         else:
             rows.finish()
 
+    @property
+    def riding_slots(self) -> np.ndarray:
+        """Slots whose prompt chunk rides this plan's loop passes and has not finished (int64, maybe empty)."""
+        return np.empty(0, dtype=np.int64) if self._riding is None else self._riding.chunk_slots
+
+    @property
+    def has_riding_loops(self) -> bool:
+        """Whether a riding prompt chunk still has loops for the next pass to run."""
+        return self._riding is not None and self._riding.num_loops_left > 0
+
+    def finish_riding(self) -> None:
+        """The riding chunks' loops no pass ran, alone, then their last states into their slots."""
+        if self._riding is not None:
+            self._riding.finish()
+            self._riding = None
+
     def _prelude(self, batch: PreludeBatch) -> None:
         row_slots = np.asarray(self.slots_of(batch.col("keys"), batch.col("generations")))
         self.embed_rows(row_slots, batch.col("positions"), batch.col("seeds"), batch.col("token_ids"))
@@ -424,7 +438,7 @@ class ModelRunner:
         """One loop of each row at its own depth (a graph replay when one fits), with the plan's riding
         prompt chunks' next loop when they have one left (mixed batches: one eager pass over both);
         `uploaded`: the three columns already on the device."""
-        riding = self._riding if self._riding is not None and self._riding.num_loops_left else None
+        riding = self._riding if self.has_riding_loops else None
         if self.pass_listener is not None:
             self._report_pass(row_slots, host_positions, depths, riding)
         if self._graphs is not None:

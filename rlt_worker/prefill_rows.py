@@ -45,7 +45,8 @@ class PrefillRows:
             host_positions, batch.col("token_ids"), row_slots, starts, cu_query_lens,
             np.repeat(np.arange(len(row_slots)), query_lens),
         )
-        self.host_slots = np.repeat(np.asarray(row_slots, dtype=np.int64), query_lens)  # the pass listener's
+        self.chunk_slots = np.asarray(row_slots, dtype=np.int64)
+        self.host_slots = np.repeat(self.chunk_slots, query_lens)  # per row, for the pass listener
         self.host_positions = host_positions
         # Chunks attend through the backend's prefill kernel, unless every chunk is one position
         # (SHARED always): then a row is its chunk and the decode kernel serves them.

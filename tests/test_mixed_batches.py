@@ -22,6 +22,7 @@ from factories import (
     Driver,
     Job,
     assert_matches_reference,
+    coda_rows,
     make_llm,
     make_workload,
     run_workload,
@@ -86,7 +87,7 @@ CASES = [
                          ids=["-".join(map(str, c)) for c in CASES])
 def test_mixed_batches_equal_separate_passes_and_the_reference(model, mode, layout, loops_per_plan):
     """Chunks ride the passes of rows decoding at various depths (planned or worker-decided exits,
-    refill inside plans); a mixed plan's DecodeBatch runs min(D, loops_per_plan) passes."""
+    refill inside plans)."""
     jobs = jobs_for(model, mode)
     options = dict(kv_layout=layout, loops_per_plan=loops_per_plan)
     separate = run_jobs(model, mode, jobs, mixed=False, **options)
@@ -95,28 +96,65 @@ def test_mixed_batches_equal_separate_passes_and_the_reference(model, mode, layo
     assert_matches_reference(mixed, model, kv_layout=layout, exit_mode=mode)
     assert not riding_plans(separate.plans) and shared_passes(separate) == 0
     riding = riding_plans(mixed.plans)
-    assert len(riding) >= 3 and shared_passes(mixed) >= 3
+    assert len(riding) >= 2 and shared_passes(mixed) >= 3
     passes = {b.max_passes for p in riding for b in p.batches if isinstance(b, DecodeBatch)}
-    assert passes <= {min(DEPTH[model], loops_per_plan)}
+    assert passes <= {loops_per_plan}  # a mixed plan runs the passes it would run anyway
     # Not every chunk finds rows to ride: the plans before any request decodes run their chunks alone.
     assert any(isinstance(b, PrefillBatch) and not b.rides_loop_passes for p in mixed.plans for b in p.batches)
 
 
-def test_a_chunk_that_completes_its_prompt_samples_in_the_next_plan():
-    """A riding chunk's CODA needs its last loop, which runs inside the passes: its request's first
-    token comes from the next plan, as an exited DecodeBatch row; a chunk that runs alone (no loop rows
-    to ride) is followed by its boundary in the same plan."""
-    first = Job("first", tuple(range(1, 6)), SamplingParams(max_tokens=60, seed=1, exit_threshold=0.6, ignore_eos=True))
-    late = Job("late", tuple(range(10, 30)), SamplingParams(max_tokens=3, seed=2, exit_threshold=0.6), arrival=1)
-    run = run_jobs("toy-ouro", "ouro", [first, late], mixed=True, loops_per_plan=16)
+@pytest.mark.parametrize(("model", "mode"), [("toy-ouro", "ouro"), ("toy-huginn", "fixed")])
+def test_no_refill_with_mixed_batches(model, mode):
+    """no_refill: chunks ride the passes of a cohort that has not exited yet; boundaries wait for the
+    cohort as before."""
+    jobs = jobs_for(model, mode)
+    options = dict(scheduling="no_refill", loops_per_plan=DEPTH[model])
+    separate = run_jobs(model, mode, jobs, mixed=False, **options)
+    mixed = run_jobs(model, mode, jobs, mixed=True, **options)
+    assert finals(mixed) == finals(separate)
+    assert_matches_reference(mixed, model, kv_layout="last_exited", exit_mode=mode)
+    assert shared_passes(mixed)
+
+
+def late_prompt_jobs(mode: str) -> list[Job]:
+    """A long generation, and a 20-token prompt (chunks of 8, 8, 4) that arrives while it decodes."""
+    extra = {"exit_depths": [4] + [1 + i % 4 for i in range(59)]} if mode == "trace" else {"exit_threshold": 0.6}
+    first = Job("first", tuple(range(1, 6)), SamplingParams(max_tokens=60, seed=1, ignore_eos=True, **extra))
+    extra = {"exit_depths": [4, 2, 3]} if mode == "trace" else {"exit_threshold": 0.6}
+    late = Job("late", tuple(range(10, 30)), SamplingParams(max_tokens=3, seed=2, **extra), arrival=1)
+    return [first, late]
+
+
+def test_the_first_token_follows_the_last_riding_chunk_in_its_plan():
+    """ouro (the worker decides exits): the last chunk's plan also samples the prompt's first token,
+    once the chunk's D loops have run, and that token's position joins the plan's next pass; a chunk
+    that runs alone (no loop rows to ride) is followed by its boundary in its plan as before."""
+    run = run_jobs("toy-ouro", "ouro", late_prompt_jobs("ouro"), mixed=True, loops_per_plan=16)
     keys = {life.job.request_id: life.key for life in run.lives}
-    chunks = [(i, b) for i, p in enumerate(run.plans) for b in p.batches if isinstance(b, PrefillBatch)]
-    (alone_at, _), *riding = chunks
-    assert [b.rides_loop_passes for _, b in chunks] == [False, True, True, True]  # 20 tokens: chunks of 8, 8, 4
-    assert (keys["first"], 1) in decode_keys(run.plans[alone_at])  # same plan: its boundary first
-    last_at = riding[-1][0]
-    assert (keys["late"], 1) not in decode_keys(run.plans[last_at])
-    assert (keys["late"], 1) in decode_keys(run.plans[last_at + 1])
+    chunks = [(p.step_id, b) for p in run.plans for b in p.batches if isinstance(b, PrefillBatch)]
+    assert [b.rides_loop_passes for _, b in chunks] == [False, True, True, True]
+    assert (keys["first"], 1) in decode_keys(run.plans[0])  # alone: its boundary in its plan
+    last_step = chunks[-1][0]
+    plan = next(p for p in run.plans if p.step_id == last_step)
+    assert (keys["late"], 1) in decode_keys(plan)
+    passes = [p.rows for p in run.passes if p.step_id == last_step]
+    late = [{(position, depth) for key, _, position, depth in rows if key == keys["late"]} for rows in passes]
+    assert late[:4] == [{(p, d) for p in range(16, 20)} for d in range(1, 5)]  # the chunk rides passes 1-4
+    assert (20, 1) in late[4]  # the first token was sampled after pass 4; its position loops in pass 5
+    assert run.life("late").outputs[0].token_ids  # delivered from that plan
+
+
+def test_after_a_riding_chunk_planned_exits_sample_in_the_next_plan():
+    """trace: the boundary of a riding last chunk would be CODA rows, which run before the plan's loop
+    passes; it waits for the next plan."""
+    run = run_jobs("toy-ouro", "trace", late_prompt_jobs("trace"), mixed=True, loops_per_plan=4)
+    key = next(life.key for life in run.lives if life.job.request_id == "late")
+    riding = [i for i, p in enumerate(run.plans) for b in p.batches
+              if isinstance(b, PrefillBatch) and b.rides_loop_passes and key in b.col("keys").tolist()]
+    assert len(riding) == 3
+    last = riding[-1]
+    assert key not in {k for k, *_ in coda_rows(run.plans[last])}
+    assert (key, 19, 0) in coda_rows(run.plans[last + 1])
 
 
 def decode_keys(plan: ExecutionPlan) -> set[tuple[int, int]]:
@@ -149,26 +187,35 @@ def test_preemption_with_mixed_batches(model, layout, preemption):
     assert riding_plans(mixed.plans)
 
 
-def lose_worker_before(step: int) -> Callable[[int, Driver], None]:
-    def before_step(steps: int, driver: Driver) -> None:
-        if steps == step:
+class LoseWorkerWhileRiding:
+    """Before the step after the `nth` plan with riding chunks, with 3 or more requests on the worker,
+    the worker is lost (once)."""
+
+    def __init__(self, nth: int) -> None:
+        self.nth = nth
+        self.lost_at: int | None = None
+
+    def __call__(self, steps: int, driver: Driver) -> None:
+        running = sum(len(r) for r in driver.engine.scheduler.running)
+        if self.lost_at is None and len(riding_plans(driver.plans)) >= self.nth and running >= 3:
+            self.lost_at = len(driver.plans)
             driver.engine._on_worker_lost(0, WorkerLost(0, "injected by the test"))
-    return before_step
 
 
-@pytest.mark.parametrize(("model", "mode", "layout", "step"), [("toy-ouro", "ouro", "last_exited", 10),
-                                                               ("toy-huginn", "trace", "shared", 20),
-                                                               ("toy-huginn", "kl", "last_exited", 9)])
-def test_worker_lost_and_replayed_with_mixed_batches(model, mode, layout, step):
-    """The worker dies while chunks ride; its requests replay (prompt chunks riding again, delivered
-    positions at their recorded depths) and end with the fault-free outputs."""
+@pytest.mark.parametrize(("model", "mode", "layout", "nth"), [("toy-ouro", "ouro", "last_exited", 1),
+                                                              ("toy-huginn", "trace", "shared", 4),
+                                                              ("toy-huginn", "kl", "last_exited", 2)])
+def test_worker_lost_and_replayed_with_mixed_batches(model, mode, layout, nth):
+    """The worker is lost while prompts are chunked through riding plans; its requests replay (chunks
+    riding again, delivered positions at their recorded depths) and end with the fault-free outputs."""
     jobs = jobs_for(model, mode)
     options = dict(kv_layout=layout, loops_per_plan=2 * DEPTH[model], restart_workers=True)
     separate = run_jobs(model, mode, jobs, mixed=False, **options)
+    lose = LoseWorkerWhileRiding(nth)
     with make_llm(model, exit_mode=mode, max_num_seqs=4, prefill_chunk_size=8, mixed_batches=True, **options) as llm:
-        mixed = Driver(llm).run(jobs, before_step=lose_worker_before(step))
-        assert llm.engine.scheduler.stats.num_replays >= 2
-        assert riding_plans(mixed.plans[step:])
+        mixed = Driver(llm).run(jobs, before_step=lose)
+        assert llm.engine.scheduler.stats.num_replays >= 3
+    assert lose.lost_at is not None and riding_plans(mixed.plans[lose.lost_at:])
     assert finals(mixed) == finals(separate)
 
 
