@@ -362,7 +362,7 @@ class ModelRunner:
     def _prefill(self, batch: PrefillBatch) -> None:
         rows = PrefillRows(self, batch)
         if batch.rides_loop_passes:
-            self._riding = rows  # its loops join the plan's next loop passes; finished after the batches
+            self._riding = rows  # its loops join the next loop passes; finished by the decode loop or after the batches
         else:
             rows.finish()
 
