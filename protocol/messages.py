@@ -26,7 +26,8 @@ from protocol.columns import F64, I32, I64, U64, Columnar
 # 6: pipelined plans: DecodeBatch.continues (a row picks up where its slot's last DecodeBatch row
 #    stopped); RecurrentBatch rows are no longer reported (the engine planned them).
 # 7: WorkerConfig.cuda_graph_prefill and max_num_batched_tokens (PREFILL chunk passes from CUDA graphs).
-PROTOCOL_VERSION = 7
+# 8: mixed batches: PrefillBatch.rides_loop_passes (the chunks' loops ride the plan's loop passes).
+PROTOCOL_VERSION = 8
 
 
 class Stage(enum.IntEnum):
@@ -190,6 +191,10 @@ class PrefillBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_def
 
     Row r covers positions start_positions[r] … + query_lens[r] − 1 of its slot; its tokens
     are the next query_lens[r] entries of token_ids. The last position's state stays in the slot.
+    With `rides_loop_passes` (mixed batches) the chunks' loop d runs in the plan's d-th loop pass
+    (RECURRENT, then DECODE), as extra rows of that pass; loops no pass runs follow alone, after the
+    plan's batches at the latest. A DecodeBatch row that enters exited at a riding chunk's last
+    position waits for the chunk's last loop, then samples output 0 and goes on in the same plan.
     """
 
     COLUMNS: ClassVar = {
@@ -204,6 +209,7 @@ class PrefillBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_def
     query_lens: bytes = b""  # i32 [rows], ≥ 1
     seeds: bytes = b""  # u64 [rows], Huginn random state init (purpose 2, index = position)
     token_ids: bytes = b""  # i32 [sum(query_lens)]
+    rides_loop_passes: bool = False  # the chunks' loops share the plan's loop passes (see above)
 
     def __post_init__(self) -> None:
         self._check_columns()

@@ -73,7 +73,9 @@ class EngineConfig:
                                   "up to this many of its loops; under ouro, ouro_delayed, kl and latent_diff "
                                   "the worker decides exits and samples up to this many + 1 tokens per row "
                                   "(0 = auto: 4·D on cuda, 1 on cpu)")
-    mixed_batches: bool = _opt(False, "prefill-chunk and decode rows in one loop pass (not built yet)")
+    mixed_batches: bool = _opt(False, "prompt chunks ride the loop passes of running decode rows (a chunk's D "
+                                      "loops in the plan's first D passes, one pass over both within "
+                                      "max_num_batched_tokens), so a new prompt does not stall decodes")
     enable_prefix_caching: bool = _opt(True, "share the K/V of full prompt blocks between requests on a worker "
                                              "(keyed by a hash chain of their tokens), kept after their last "
                                              "user finishes and evicted least recently used when blocks run short")
@@ -105,8 +107,6 @@ class EngineConfig:
         if self.max_plans_in_flight not in (0, 1, 2):
             raise ValueError(f"max_plans_in_flight must be 0 (auto), 1 (synchronous) or 2 (pipelined), "
                              f"got {self.max_plans_in_flight!r}")
-        if self.mixed_batches:
-            raise ValueError("mixed_batches is not built yet: prefill chunks and decode rows run in separate passes")
         _positive("loops_per_plan", self.loops_per_plan, minimum=0)
         if self.num_blocks is not None:
             _positive("num_blocks", self.num_blocks)

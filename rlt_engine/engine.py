@@ -64,9 +64,10 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             prefix_cache_salt=f"{config.model}|{config.dtype}|{config.kv_layout}|D={self.max_depth}|"
                               f"{config.state_init}",
-            # The runner draws Huginn's random initial state per (seed, position) (ModelRunner._initial_state).
+            # The runner draws Huginn's random initial state per (seed, position) (ModelRunner.initial_state).
             prompt_kv_seeded=ready.model.family == "huginn" and config.state_init == "random",
             max_plans_in_flight=config.max_plans_in_flight,
+            mixed_batches=config.mixed_batches,
         )
         self.scheduler = Scheduler(scheduler_config, self.policy, kv_managers, self.rng)
         self._in_flight = [0] * len(readies)  # per worker: plans submitted whose result is not read yet

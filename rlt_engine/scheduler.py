@@ -11,7 +11,8 @@ loop boundaries:
        (refill: at once; no_refill: only when the worker's whole cohort has exited). Under a
        policy whose exits the worker decides (ouro*, kl, latent_diff) a live position is one
        DecodeBatch row instead: the worker loops it, tests it, samples and refills in the plan
-    3. prompt chunks of admitted requests, within max_num_batched_tokens
+    3. prompt chunks of admitted requests, within max_num_batched_tokens; with mixed batches
+       they ride the loop passes of step 2's rows (prefill_mixing.py)
 
 `update(worker, result)` applies a StepResult: tokens, exit depths, exit states, finishes, as if
 the host had decided them. With pipelined plans (max_plans_in_flight = 2) the next plan is built
@@ -35,6 +36,7 @@ from rlt_engine.kv_manager import KVManager
 from rlt_engine.placement import Placement
 from rlt_engine.plan_builder import DecodeSettings, PlanBuilder
 from rlt_engine.preemption import make_preemption
+from rlt_engine.prefill_mixing import make_prefill_mixing
 from rlt_engine.prefix_cache import BlockHasher, NoPrefixCaching
 from rlt_engine.request import Phase, Request, RequestStatus
 from rlt_engine.rng import RngRegistry
@@ -68,6 +70,7 @@ class SchedulerConfig:
     prefix_cache_salt: str = ""  # what a prompt's K/V depends on besides its tokens: model, dtype, layout, D
     prompt_kv_seeded: bool = False  # Huginn's random state init: the prompt's K/V depends on its seed too
     max_plans_in_flight: int = 1  # 2: a worker's next plan is built before its last one's result is read
+    mixed_batches: bool = False  # prompt chunks ride the loop passes of the step's decode rows
 
 
 @dataclass
@@ -92,6 +95,7 @@ class Scheduler(SchedulerFaults):
         self.policy = policy
         self.rng = rng
         self.preemption = make_preemption(config.preemption)
+        self.mixing = make_prefill_mixing(config.mixed_batches)
         self._decode = None if policy.exit_test is None else DecodeSettings(
             policy.exit_test, max_passes=config.loops_per_plan, refill=config.refill)
         self.books = [WorkerBook(w, kv, config.max_num_seqs) for w, kv in enumerate(kv_managers)]
@@ -213,11 +217,12 @@ class Scheduler(SchedulerFaults):
                 if self._ensure_positions(plan, request, min(request.position + 2, request.max_positions)):
                     self._schedule_boundary(plan, request)
                     budget -= 1
+        rides = self.mixing.rides(plan)
         for request in list(book.running):
             if budget <= 0:
                 break
             if request.phase == Phase.PREFILL and request.status == RequestStatus.RUNNING:
-                budget -= self._schedule_prefill(plan, request, budget, cohort_busy)
+                budget -= self._schedule_prefill(plan, request, budget, rides, cohort_busy)
         if plan.is_empty:
             return None
         for key in plan.named:
@@ -382,8 +387,13 @@ class Scheduler(SchedulerFaults):
         while allocation.num_positions < reach and kv.can_grow():
             plan.append_blocks(request, kv.grow(allocation))
 
-    def _schedule_prefill(self, plan: PlanBuilder, request: Request, budget: int, cohort_busy: bool) -> int:
-        """Schedule the next prompt chunk; returns the tokens it costs."""
+    def _schedule_prefill(
+        self, plan: PlanBuilder, request: Request, budget: int, rides: bool, cohort_busy: bool
+    ) -> int:
+        """Schedule the next prompt chunk (`rides`: in the plan's loop passes); returns the tokens it costs.
+
+        The prompt's last chunk is followed by its boundary work in the same plan, except under no_refill
+        while the cohort loops, and after a riding chunk unless that work is a DecodeBatch row."""
         remaining = request.prompt_len - request.num_prefilled
         chunk = min(remaining, self.config.prefill_chunk_size, budget)
         if self.config.kv_layout == "shared":
@@ -398,9 +408,15 @@ class Scheduler(SchedulerFaults):
             request.phase = Phase.BOUNDARY
             request.position = request.prompt_len - 1
             request.depth = request.exit_depth = self.config.max_depth
-            if not cohort_busy:
+            if not cohort_busy and (not rides or self._decodes_first_output(request)):
                 self._schedule_boundary(plan, request)
         return chunk
+
+    def _decodes_first_output(self, request: Request) -> bool:
+        """Whether the boundary after the prompt is a DecodeBatch row: the worker decides exits and output
+        0 is not a replayed one. The worker holds such a row until a riding chunk's last loop has run;
+        CODA rows, which run before the plan's loop passes, would read a state not computed yet."""
+        return self._decode is not None and request.num_outputs == 0
 
     def _schedule_boundary(self, plan: PlanBuilder, request: Request) -> None:
         """[finalize →] CODA of the exited position, then PRELUDE + loop 1 of the next one.

@@ -68,6 +68,7 @@ class GraphStats:
 
     replays: int = 0  # passes run from a graph
     eager_passes: int = 0  # decode loop passes that fit no bucket
+    mixed_passes: int = 0  # decode loop passes run eagerly because prompt chunks rode them (mixed batches)
     captures: int = 0
     capture_s: float = 0.0
     startup_captures: int = 0  # captured by capture_all() before serving
@@ -93,7 +94,8 @@ class GraphStats:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "replays": self.replays, "eager_passes": self.eager_passes, "captures": self.captures,
+            "replays": self.replays, "eager_passes": self.eager_passes, "mixed_passes": self.mixed_passes,
+            "captures": self.captures,
             "capture_s": round(self.capture_s, 3), "startup_captures": self.startup_captures,
             "startup_capture_s": round(self.startup_capture_s, 3), "lazy_captures": self.lazy_captures,
             "capture_mib": round(self.capture_mib, 1), "rows": self.rows, "padded_rows": self.padded_rows,

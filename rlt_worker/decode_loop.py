@@ -1,6 +1,7 @@
 """The worker's decode loop: one DecodeBatch's passes, exit tests, boundary work and refill (SPEC §6).
 
-    rows that enter exited    boundary work first
+    rows that enter exited    boundary work first (a row behind its prompt's riding last chunk, mixed
+                              batches: once that chunk's D loops have run, then it joins the next pass)
     pass 1 … max_passes       loop d + 1 of every looping row, each at its own position and depth
                               → the exit test (rlt_worker/exit_tests.py) → one readback: who exited
                               refill: their boundary work now; no_refill: they stop (EXITED)
@@ -100,17 +101,26 @@ class DecodeLoop:
     def run(self, results: ResultBuilder) -> None:
         """Passes until every row has stopped or `max_passes` ran; every row's tokens and end into `results`."""
         rows = self.rows
+        # Rows whose prompt's last chunk rides the passes (mixed batches) enter exited but wait for it.
+        behind_prefill = rows.running & rows.exited & np.isin(rows.slots, self.runner.riding_slots)
+        waiting = np.flatnonzero(behind_prefill)
         self._stop_unless_completable(np.flatnonzero(rows.running & ~rows.exited))
-        self._boundary(np.flatnonzero(rows.running & rows.exited), results)
-        for _ in range(self.batch.max_passes):
+        self._boundary(np.flatnonzero(rows.running & rows.exited & ~behind_prefill), results)
+        passes = 0
+        while passes < self.batch.max_passes:
             looping = np.flatnonzero(rows.running & ~rows.exited)
+            if len(waiting) and (not self.runner.has_riding_loops or not len(looping)):
+                waiting = self._after_prefill(waiting, results)  # they join the next pass
+                continue
             if not len(looping):
                 break
             exits = self._pass(looping)
+            passes += 1
             if self.batch.refill:
                 self._boundary(exits, results)
             else:
                 rows.exited[exits] = True  # the cohort's boundary work waits for its last exit
+        self._after_prefill(waiting, results)
         self._report_ends(results)
         self._save_cursors()
 
@@ -173,6 +183,14 @@ class DecodeLoop:
         exits, states = self.test.decide(runner, pass_rows, previous, rows.exit_states[device_rows])
         rows.exit_states[device_rows] = states
         return looping[exits.cpu().numpy()]  # the pass's readback: which rows go to their boundary
+
+    def _after_prefill(self, waiting: np.ndarray, results: ResultBuilder) -> np.ndarray:
+        """The riding chunks' last loops done (alone if no pass is left to ride), the boundary work of
+        the rows that waited for them; returns no rows."""
+        if len(waiting):
+            self.runner.finish_riding()
+            self._boundary(waiting, results)
+        return waiting[:0]
 
     def _boundary(self, exited: np.ndarray, results: ResultBuilder) -> None:
         """[FINALIZE →] CODA of the exited rows, then PRELUDE of the next token of each that goes on."""

@@ -18,6 +18,10 @@ row columns go to the device in one upload (pinned and asynchronous on CUDA). Th
 copies are the result's, started on a side stream once the plan's work is queued (`submit`
 returns before they land, so the next plan's work can queue behind), and, inside a DecodeBatch
 (rlt_worker/decode_loop.py), each pass's exit decisions and the tokens sampled at its exits.
+
+A PREFILL batch's rows (rlt_worker/prefill_rows.py) run their D loops at once, or, when the plan says
+they ride (mixed batches), as extra rows of the plan's next D loop passes; whatever is left of them
+runs after the batches, before any slot op that reads a slot (exports).
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from rlt_worker.kv_storage import LAST_EXITED, KVStorage
 from rlt_worker.models.base import LoopedModel
 from rlt_worker.paged_context import PagedContext, PagedPlaneView, PrefillChunks
 from rlt_worker.philox import truncated_normal
-from rlt_worker.prefill_graphs import DeviceChunks, HostChunks
+from rlt_worker.prefill_rows import DeviceChunks, HostChunks, PrefillRows
 from rlt_worker.sampler import SamplingTensors, sample
 from rlt_worker.step_results import PendingResult, ResultBuilder
 from rlt_worker.swap import SwapStore
@@ -127,9 +131,11 @@ class ModelRunner:
         self._swap = SwapStore()
         self.applied = AppliedOps()  # the slot ops of the current (or last) plan applied so far
         self.fault_hook: Callable[[str], None] | None = None  # tests: fail a plan at a chosen point
-        # tests: (slots, positions, depths) of every loop pass, as it starts (identity() names a slot)
+        # tests: (slots, positions, depths) of every loop pass over slot rows, as it starts, riding prompt
+        # chunks' rows included (identity() names a slot; a chunk's passes of its own are not reported)
         self.pass_listener: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None
         self._graphs: LoopPassGraphs | None = None
+        self._riding: PrefillRows | None = None  # the plan's PREFILL batch while its loops ride the passes
         if config.cuda_graphs and self.device.type == "cuda":
             self.use_pass_graphs(emulate=False)
             if config.graph_capture == "startup":  # before the worker reports ready: none while serving
@@ -182,6 +188,7 @@ class ModelRunner:
         its slot ops took effect (the Worker puts it into the error result)."""
         results = ResultBuilder(plan.step_id)
         self.applied = AppliedOps()
+        self._riding = None  # a failed plan's riding chunk is dropped with the plan
         for admit in plan.admits:
             self.fault_point("admit")
             self._admit(admit)
@@ -203,6 +210,7 @@ class ModelRunner:
                 self._coda(batch, results)
             elif isinstance(batch, DecodeBatch):
                 DecodeLoop(self, batch).run(results)
+        self.finish_riding()
         self._swap.export(self, plan.exports)
         self._release(plan.releases)
         self._swap.drop(self, plan.swap_drops)
@@ -356,7 +364,8 @@ class ModelRunner:
             outer_view = PagedPlaneView(outer_tables, positions, block_size, table_rows)
         return PagedContext(self.storage, self._backend, positions, loop_view, outer_view, chunks)
 
-    def _initial_state(self, embedded: torch.Tensor, seeds: np.ndarray, positions: torch.Tensor) -> torch.Tensor:
+    def initial_state(self, embedded: torch.Tensor, seeds: np.ndarray, positions: torch.Tensor) -> torch.Tensor:
+        """The state loop 1 starts from (Huginn's random init draws Philox(seed, 2, position))."""
         noise = None
         if self.model.info.family == "huginn" and self.config.state_init == "random":
             (seed_tensor,) = self.upload(seeds.view(np.int64))
@@ -370,54 +379,31 @@ class ModelRunner:
     # ------------------------------------------------------------------ stages (batches)
 
     def _prefill(self, batch: PrefillBatch) -> None:
-        query_lens = batch.col("query_lens").astype(np.int64)
-        if self.config.kv_layout != LAST_EXITED and query_lens.max() > 1:
+        chunks = HostChunks.of(batch, self.slots_of(batch.col("keys"), batch.col("generations")))
+        if self.config.kv_layout != LAST_EXITED and chunks.max_query_len > 1:
             raise SlotError("SHARED prefill runs one position at a time (query_lens must be 1)")
-        chunks = HostChunks(
-            slots=np.asarray(self.slots_of(batch.col("keys"), batch.col("generations")), dtype=np.int64),
-            start_positions=batch.col("start_positions").astype(np.int64), query_lens=query_lens,
-            token_ids=batch.col("token_ids").astype(np.int64), seeds=batch.col("seeds"),
-        )
+        if batch.rides_loop_passes:  # eager: its loops join the next loop passes (a graph holds fixed rows)
+            self._riding = PrefillRows(self, chunks, DeviceChunks.upload(self, chunks))
+            return  # finished by the decode loop, or after the batches
         graphs = None if self._graphs is None else self._graphs.prefill
         if graphs is None or not graphs.run(chunks):
-            self.prefill_chunks(chunks, self._upload_chunks(chunks))
+            PrefillRows(self, chunks, DeviceChunks.upload(self, chunks)).finish()
 
-    def _upload_chunks(self, chunks: HostChunks) -> DeviceChunks:
-        """A prefill batch's columns on the device, in one transfer (nothing is read back)."""
-        positions, tokens, slots, starts, cu, table_rows = self.upload(
-            chunks.positions(), chunks.token_ids, chunks.slots, chunks.start_positions, chunks.cu_query_lens(),
-            chunks.table_rows(),
-        )
-        # Chunks attend through the backend's prefill kernel, unless every chunk is one position
-        # (SHARED always): then a row is its chunk and the decode kernel serves them.
-        kernel = PrefillChunks(cu, starts, table_rows, chunks.max_query_len) if chunks.max_query_len > 1 else None
-        return DeviceChunks(slots, positions, tokens, cu, kernel)
+    @property
+    def riding_slots(self) -> np.ndarray:
+        """Slots whose prompt chunk rides this plan's loop passes and has not finished (int64, maybe empty)."""
+        return np.empty(0, dtype=np.int64) if self._riding is None else self._riding.host.slots
 
-    def prefill_chunks(
-        self, host: HostChunks, chunks: DeviceChunks, loops: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-        | None = None,
-    ) -> None:
-        """PREFILL of uploaded chunks: embed, start the state, run the D loop passes (`loops`: a graph's
-        replays, rlt_worker/prefill_graphs.py; None: eagerly here), Huginn's coda K/V of every
-        position, then each chunk's last row's state and input into its slot."""
-        width = self.table_width(np.array([host.max_position]))
+    @property
+    def has_riding_loops(self) -> bool:
+        """Whether a riding prompt chunk still has loops for the next pass to run."""
+        return self._riding is not None and self._riding.num_loops_left > 0
 
-        def context(depth: int | None) -> PagedContext:
-            depths = None if depth is None else torch.full_like(chunks.slots, depth)
-            return self.context(chunks.slots, chunks.positions, depths, width, chunks=chunks.kernel)
-
-        embedded = self.model.embed(chunks.token_ids, chunks.positions, context(None))
-        state = self._initial_state(embedded, np.repeat(host.seeds, host.query_lens), chunks.positions)
-        if loops is not None:
-            state = loops(state, embedded)
-        else:
-            for depth in range(1, self.config.max_depth + 1):
-                state = self.model.loop(state, embedded, chunks.positions, context(depth))
-        if self.model.info.num_outer_kv_layers:  # Huginn: coda K/V of every prompt position
-            self.model.coda(state, chunks.positions, context(None))
-        last = chunks.cu_query_lens[1:] - 1  # each chunk's last row
-        self.state[chunks.slots] = state[last]
-        self.embedded[chunks.slots] = embedded[last]
+    def finish_riding(self) -> None:
+        """The riding chunks' loops no pass ran, alone, then their last states into their slots."""
+        if self._riding is not None:
+            self._riding.finish()
+            self._riding = None
 
     def _prelude(self, batch: PreludeBatch) -> None:
         row_slots = np.asarray(self.slots_of(batch.col("keys"), batch.col("generations")))
@@ -463,7 +449,7 @@ class ModelRunner:
         tokens = self.tokens[slots] if not uploaded else torch.where(uploaded[0] >= 0, uploaded[0], self.tokens[slots])
         context = self.context(slots, positions, None, self.table_width(host_positions))
         embedded = self.model.embed(tokens, positions, context)
-        self.state[slots] = self._initial_state(embedded, seeds, positions)
+        self.state[slots] = self.initial_state(embedded, seeds, positions)
         self.embedded[slots] = embedded
         self._reset_kl(slots)
 
@@ -471,15 +457,32 @@ class ModelRunner:
         self, row_slots: np.ndarray, host_positions: np.ndarray, depths: np.ndarray, width: int,
         uploaded: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """One loop of each row at its own depth (a graph replay when one fits); `uploaded`: the
-        three columns already on the device."""
+        """One loop of each row at its own depth (a graph replay when one fits), with the plan's riding
+        prompt chunks' next loop when they have one left (mixed batches: one eager pass over both);
+        `uploaded`: the three columns already on the device."""
+        riding = self._riding if self.has_riding_loops else None
         if self.pass_listener is not None:
-            self.pass_listener(row_slots, host_positions, depths)
-        if self._graphs is not None and self._graphs.run(row_slots, host_positions, depths):
-            return
+            self._report_pass(row_slots, host_positions, depths, riding)
+        if self._graphs is not None:
+            if riding is not None:
+                self._graphs.stats.mixed_passes += 1  # a graph holds fixed rows: a pass with chunks runs eagerly
+            elif self._graphs.run(row_slots, host_positions, depths):
+                return
         slots, positions, device_depths = uploaded or self.upload(row_slots, host_positions, depths)
         context = self.context(slots, positions, device_depths, width)
-        self.state[slots] = self.model.loop(self.state[slots], self.embedded[slots], positions, context)
+        state, embedded = self.state[slots], self.embedded[slots]
+        if riding is None:
+            self.state[slots] = self.model.loop(state, embedded, positions, context)
+        else:
+            self.state[slots] = riding.ride(state, embedded, positions, context)
+
+    def _report_pass(self, row_slots: np.ndarray, host_positions: np.ndarray, depths: np.ndarray,
+                     riding: PrefillRows | None) -> None:
+        if riding is not None:
+            row_slots = np.concatenate([row_slots, riding.host.row_slots()])
+            host_positions = np.concatenate([host_positions, riding.host.positions()])
+            depths = np.concatenate([depths, np.full(riding.host.num_rows, riding.depth + 1)])
+        self.pass_listener(row_slots, host_positions, depths)
 
     def finalize_rows(self, row_slots: np.ndarray, host_positions: np.ndarray, exit_depths: np.ndarray) -> None:
         """LAST_EXITED: copy each row's exit-plane K/V at its position into every deeper plane."""

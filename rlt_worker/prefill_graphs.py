@@ -11,8 +11,9 @@ prefill kernel (attention/triton_prefill.py, grid sized by T), and the copy of t
 the static state buffer. The runner replays it D times per batch, filling `depths` on the device
 before each replay. Everything it touches lives at a fixed address: one int64 metadata buffer laid
 out as below, the static state and embedded buffers [T, hidden], the block tables, the KV pool and
-the weights. The rest of PREFILL stays eager on the real rows: embedding (Huginn: its prelude),
-the state's start, Huginn's coda K/V, and each chunk's last row into its slot (a few launches).
+the weights. The rest of PREFILL stays eager on the real rows (PrefillRows, rlt_worker/prefill_rows.py,
+which a batch whose loops ride the plan's passes takes instead of a graph): embedding (Huginn: its
+prelude), the state's start, Huginn's coda K/V, and each chunk's last row into its slot (a few launches).
 
     bucket (T tokens, S chunks), s real chunks of n rows in all (s ≤ S, n ≤ T):
         rows            | chunk 0 | … | chunk s−1 | padding rows n … T−1 |
@@ -63,6 +64,7 @@ import numpy as np
 import torch
 
 from rlt_worker.paged_context import PrefillChunks
+from rlt_worker.prefill_rows import DeviceChunks, HostChunks, PrefillRows
 
 if TYPE_CHECKING:
     from rlt_worker.cuda_graphs import LoopPassGraphs
@@ -103,58 +105,6 @@ def prefill_bucket(
     if tokens is None or next_pow2(num_chunks) > chunk_buckets(tokens, max_slots)[-1]:
         return None
     return tokens, next_pow2(num_chunks)
-
-
-@dataclass(frozen=True)
-class HostChunks:
-    """A PrefillBatch's chunks on the host, one entry per chunk; rows are chunk-major."""
-
-    slots: np.ndarray  # int64 [S]: each chunk's slot
-    start_positions: np.ndarray  # int64 [S]: each chunk's first position
-    query_lens: np.ndarray  # int64 [S]: each chunk's positions
-    token_ids: np.ndarray  # int64 [N]
-    seeds: np.ndarray  # uint64 [S] (Huginn's state init)
-
-    @classmethod
-    def empty(cls) -> HostChunks:
-        """No chunk at all (a bucket's warm-up layout: padding rows only)."""
-        none = np.zeros(0, dtype=np.int64)
-        return cls(none, none, none, none, none.astype(np.uint64))
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.query_lens.sum())
-
-    @property
-    def max_query_len(self) -> int:
-        return int(self.query_lens.max())
-
-    @property
-    def max_position(self) -> int:
-        return int((self.start_positions + self.query_lens).max()) - 1
-
-    def positions(self) -> np.ndarray:
-        """Every row's position, [N]."""
-        return np.concatenate([np.zeros(0, dtype=np.int64)] + [
-            np.arange(s, s + n) for s, n in zip(self.start_positions, self.query_lens, strict=True)])
-
-    def cu_query_lens(self) -> np.ndarray:
-        return np.concatenate([[0], np.cumsum(self.query_lens)]).astype(np.int64)
-
-    def table_rows(self) -> np.ndarray:
-        """Every row's chunk, [N]."""
-        return np.repeat(np.arange(len(self.slots)), self.query_lens)
-
-
-@dataclass(frozen=True)
-class DeviceChunks:
-    """The same chunks on the device: what PREFILL's eager stages read (ModelRunner.prefill_chunks)."""
-
-    slots: torch.Tensor  # [S]
-    positions: torch.Tensor  # [N]
-    token_ids: torch.Tensor  # [N]
-    cu_query_lens: torch.Tensor  # [S + 1]
-    kernel: PrefillChunks | None  # the prefill kernel's metadata; None: every chunk is one position
 
 
 @dataclass(frozen=True)
@@ -267,7 +217,7 @@ class PrefillGraphs:
                 graph.replay()
             return static.state[:n]
 
-        self.runner.prefill_chunks(chunks, device, loops)
+        PrefillRows(self.runner, chunks, device).finish(loops)
         stats.prefill_replays += depth
         stats.prefill_rows += depth * n
         stats.prefill_padded_rows += depth * (key[0] - n)

@@ -32,7 +32,8 @@ from factories import (
 )
 
 from rlt_engine.config import EngineConfig
-from rlt_worker.prefill_graphs import HostChunks, chunk_buckets, pad_chunks, prefill_bucket, token_buckets
+from rlt_worker.prefill_graphs import chunk_buckets, pad_chunks, prefill_bucket, token_buckets
+from rlt_worker.prefill_rows import HostChunks
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -116,6 +116,7 @@ def prefill_batches(draw: Any) -> PrefillBatch:
         query_lens=pack(query_lens, I32),
         seeds=pack(draw(col(UINT64, n)), U64),
         token_ids=pack(draw(col(st.integers(0, I32_MAX), sum(query_lens))), I32),
+        rides_loop_passes=draw(st.booleans()),
     )
 
 

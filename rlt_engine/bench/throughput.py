@@ -19,6 +19,10 @@ c requests in flight until 2·c (`--requests-factor`) have been submitted, each 
                  every prompt starts with the same `--shared-prefix-len` tokens (the rest of
                  `--prompt-len` is its own), exit fixed, with prefix caching on or off; each run
                  starts with a cold cache and reports its hit ratio (not in the default list)
+    exit fixed_mixed, trace_mixed, ouro_mixed, kl_mixed, latent_diff_mixed
+                 the workload without the suffix on an engine with `mixed_batches` (prompt chunks
+                 ride the decode rows' loop passes), so one grid compares ITL p50/p99 with mixing
+                 on and off (not in the default list)
 
 Before an engine is timed, the configuration is gated (`--gate`, see rlt_engine/bench/gate.py):
 the same engine configuration built in float32 must give the torch path's tokens and exit depths
@@ -40,6 +44,7 @@ as partial; medians use the complete runs when there is one), and the whole grid
     rlt-bench throughput --model toy-ouro --device cpu --prompt-len 16 --output-len 8 --concurrency 1,4
     rlt-bench throughput --exit shared_prefix_cached,shared_prefix_uncached --prompt-len 1024 \
         --shared-prefix-len 960 --output-len 32 --concurrency 64 --requests-factor 1   # issue 21's workload
+    rlt-bench throughput --exit trace,trace_mixed,ouro,ouro_mixed --concurrency 32 --workers 0   # mixing off / on
 """
 
 from __future__ import annotations
@@ -65,8 +70,10 @@ from rlt_engine.bench import gate
 from rlt_engine.bench.report import log, pyplot
 
 HBM_TBPS = 4.3  # H200 device-to-device copy rate measured here (KINDS.md), bytes read + written
-WORKLOADS = ("fixed", "trace", "ouro", "kl", "latent_diff", "prefill", "shared_prefix_cached",
-             "shared_prefix_uncached")
+DECODE_WORKLOADS = ("fixed", "trace", "ouro", "kl", "latent_diff")
+MIXED = "_mixed"  # a decode workload's name + this: the same with mixed_batches on (ouro_mixed, …)
+WORKLOADS = (*DECODE_WORKLOADS, "prefill", "shared_prefix_cached", "shared_prefix_uncached",
+             *(mode + MIXED for mode in DECODE_WORKLOADS))
 SHARED_PREFIX = ("shared_prefix_cached", "shared_prefix_uncached")  # exit fixed, prefix caching on / off
 OURO_THRESHOLD = 0.63  # see --ouro-threshold: 0.6 gave 2.36 and 0.7 2.80 loops (docs/benchmarks.md)
 # synthetic-huginn-3.5b: about 15 and 14 loops per position in the CPU check of
@@ -444,7 +451,7 @@ class Grid:
         a = self.args
         options = dict(self._options(_engine_exit(mode)), workers=workers, attention_backend=a.attention_backend,
                        loops_per_plan=a.loops_per_plan, enable_prefix_caching=mode != "shared_prefix_uncached",
-                       max_plans_in_flight=a.max_plans_in_flight)
+                       max_plans_in_flight=a.max_plans_in_flight, mixed_batches=mode.endswith(MIXED))
         for flag in ("cuda_graphs", "cuda_graph_prefill", "fused_layers"):  # None: the engine's default
             if getattr(a, flag) is not None:
                 options[flag] = getattr(a, flag)
@@ -456,6 +463,7 @@ class Grid:
             return Workload(1, "fixed", self.depth)
         if mode in SHARED_PREFIX:
             return Workload(output_len, "fixed", self.depth, shared_prefix_len=a.shared_prefix_len)
+        mode = _engine_exit(mode)
         thresholds = {"ouro": a.ouro_threshold, "kl": a.kl_threshold, "latent_diff": a.latent_threshold}
         return Workload(output_len, mode, self.depth, a.trace_mean, thresholds.get(mode))
 
@@ -560,6 +568,7 @@ class Grid:
                 f"{kv.num_planes} planes, D = {self.depth}")
             self.meta.setdefault("engine", {})[key] = {
                 "startup_s": startup_s, "num_blocks": kv.num_blocks, "num_planes": kv.num_planes, "depth": self.depth,
+                "mixed_batches": engine.config.mixed_batches,
             }
             reference = self.references.get(_engine_exit(exit_mode))
             if reference is not None and a.dtype != self.gate_dtype:
@@ -619,8 +628,9 @@ class Grid:
         graphs_after = _graph_stats(engine)
         if graphs_after is not None:
             config.graphs = {k: graphs_after[k] - (graphs_before or {}).get(k, 0)
-                             for k in ("replays", "eager_passes", "captures", "capture_s", "rows", "padded_rows",
-                                       "prefill_replays", "prefill_eager", "prefill_rows", "prefill_padded_rows")}
+                             for k in ("replays", "eager_passes", "mixed_passes", "captures", "capture_s", "rows",
+                                       "padded_rows", "prefill_replays", "prefill_eager", "prefill_rows",
+                                       "prefill_padded_rows")}
             log(f"   c={c} graph counters: {config.graphs}")
         kv = engine.kv_managers[0]
         config.memory["kv_pool_gib"] = _kv_pool_bytes(engine.model_info, kv.num_blocks, a.block_size,
@@ -644,7 +654,7 @@ class Grid:
         itemsize = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}[dtype]
         tb = token_bytes(cfg, itemsize)
         loops = config.median.get("loops_per_generated_token") or 0.0
-        codas = codas_per_token(config.exit_mode, loops)
+        codas = codas_per_token(_engine_exit(config.exit_mode), loops)
         context = a.prompt_len + a.output_len / 2  # mean context over the decode
         per_token = tb.per_token(loops, context, codas)
         floor_s = per_token / (a.hbm_tbps * 1e12)
@@ -678,8 +688,9 @@ class Grid:
 
 
 def _engine_exit(mode: str) -> str:
-    """The engine's exit_mode for a workload (prefill: one token per request, fixed; shared prefix: fixed)."""
-    return "fixed" if mode == "prefill" or mode in SHARED_PREFIX else mode
+    """The engine's exit_mode for a workload (prefill: one token per request, fixed; shared prefix: fixed;
+    a mixed one: its base workload's)."""
+    return "fixed" if mode == "prefill" or mode in SHARED_PREFIX else mode.removesuffix(MIXED)
 
 
 def _hit_ratio(before: Any, after: Any) -> float | None:
