@@ -10,6 +10,7 @@ abort them, and a JSON report at the end.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -23,6 +24,7 @@ from pathlib import Path
 import psutil
 
 READY = "rlt-serve ready on "
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 IPC_PATH_MAX = 107
 
 
@@ -32,6 +34,17 @@ def short_ipc_path(tmp_path: Path, name: str = "rlt.sock") -> str:
     if len(path) <= IPC_PATH_MAX - 8:
         return path
     return os.path.join(tempfile.mkdtemp(prefix="rlts-", dir="/tmp"), name)
+
+
+def _terminate_with_the_tests() -> None:
+    """In the server's process, before exec: SIGTERM when the process that started it dies (Linux).
+
+    The fixtures stop every server they start, but not when the test process itself is killed (a
+    `timeout` around pytest, a CI job cancelled): a module-scoped server was found running 36 minutes
+    after such a run. SIGTERM shuts it down as Ctrl-C would, and its workers follow their parent.
+    """
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
 
 
 class ServerProcess:
@@ -56,7 +69,7 @@ class ServerProcess:
         self._log = open(self.log_path, "wb")
         # Its own process group, as a shell job would be: a test can signal the group like Ctrl-C does.
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL, text=True,
-                                     start_new_session=True, env=self.env)
+                                     start_new_session=True, env=self.env, preexec_fn=_terminate_with_the_tests)
         self.tree = [psutil.Process(self.proc.pid)]
         ready = threading.Event()
         threading.Thread(target=self._read_stdout, args=(ready,), daemon=True).start()
