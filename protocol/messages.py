@@ -23,7 +23,11 @@ from protocol.columns import F64, I32, I64, U64, Columnar
 #    StepResult.exit_states; RecurrentBatch.signal, StepResult.signals and Signal are gone.
 # 5: prefix caching: RequestOutput.num_cached_tokens, WorkerHealth.kv_blocks_cached, HealthReport's
 #    prefix_cache_queries and prefix_cache_hits.
-PROTOCOL_VERSION = 5
+# 6: pipelined plans: DecodeBatch.continues (a row picks up where its slot's last DecodeBatch row
+#    stopped); RecurrentBatch rows are no longer reported (the engine planned them).
+# 7: WorkerConfig.cuda_graph_prefill and max_num_batched_tokens (PREFILL chunk passes from CUDA graphs).
+# 8: mixed batches: PrefillBatch.rides_loop_passes (the chunks' loops ride the plan's loop passes).
+PROTOCOL_VERSION = 8
 
 
 class Stage(enum.IntEnum):
@@ -86,6 +90,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     cuda_graphs: bool = False  # decode loop passes from CUDA graphs (CUDA with the Triton backend)
     fused_layers: bool = False  # Ouro's loop through fused Triton kernels over packed q|k|v, gate|up weights
     cuda_graph_capture: str = "lazy"  # "startup": every graph bucket before WorkerReady | "lazy": at first use
+    cuda_graph_prefill: bool = False  # PREFILL chunk loop passes from CUDA graphs too (needs cuda_graphs)
+    max_num_batched_tokens: int = 0  # token rows of a plan's largest batch (the prefill graphs' top bucket)
 
 
 class WorkerHello(msgspec.Struct, tag=True, array_like=True, kw_only=True):
@@ -185,6 +191,10 @@ class PrefillBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_def
 
     Row r covers positions start_positions[r] … + query_lens[r] − 1 of its slot; its tokens
     are the next query_lens[r] entries of token_ids. The last position's state stays in the slot.
+    With `rides_loop_passes` (mixed batches) the chunks' loop d runs in the plan's d-th loop pass
+    (RECURRENT, then DECODE), as extra rows of that pass; loops no pass runs follow alone, after the
+    plan's batches at the latest. A DecodeBatch row that enters exited at a riding chunk's last
+    position waits for the chunk's last loop, then samples output 0 and goes on in the same plan.
     """
 
     COLUMNS: ClassVar = {
@@ -199,6 +209,7 @@ class PrefillBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_def
     query_lens: bytes = b""  # i32 [rows], ≥ 1
     seeds: bytes = b""  # u64 [rows], Huginn random state init (purpose 2, index = position)
     token_ids: bytes = b""  # i32 [sum(query_lens)]
+    rides_loop_passes: bool = False  # the chunks' loops share the plan's loop passes (see above)
 
     def __post_init__(self) -> None:
         self._check_columns()
@@ -301,11 +312,17 @@ class DecodeBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_defa
     when it samples one of its slot's stop tokens or its output max_tokens − 1, and before looping a
     position whose next position its blocks do not cover (unless it holds its last output): a plan
     never writes past a row's blocks and never runs a loop the policy would not run.
+
+    `continues` 1 (pipelined plans): the engine has not read the slot's previous DecodeBatch row's
+    result yet, so the row's positions, depths, exited, exit_states and output_indices are ignored
+    and the row picks up where that row stopped (the slot table keeps it); a slot whose request
+    that row ended does nothing and reports nothing.
     """
 
     COLUMNS: ClassVar = {
         "keys": I64, "generations": I64, "positions": I32, "depths": I32, "exited": I32, "exit_states": F64,
         "output_indices": I32, "seeds": U64, "min_loops": I32, "max_loops": I32, "thresholds": F64,
+        "continues": I32,
     }
 
     keys: bytes = b""  # i64 [rows]
@@ -322,12 +339,14 @@ class DecodeBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_defa
     exit_test: ExitTest = ExitTest.OURO
     max_passes: int = 1  # loop passes the plan runs at most (a row samples at most max_passes + 1 tokens)
     refill: bool = True  # an exited row's next token joins the next pass (False: scheduling="no_refill")
+    continues: bytes = b""  # i32 [rows], 1: pick up where the slot's last DecodeBatch row stopped (see above)
 
     def __post_init__(self) -> None:
         self._check_columns()
         self._check_min("positions", 0)
         self._check_min("depths", 0)
         self._check_min("exited", 0)
+        self._check_min("continues", 0)
         self._check_min("output_indices", 0)
         self._check_min("min_loops", 1)
         if (self.col("max_loops") < self.col("min_loops")).any():
@@ -375,10 +394,11 @@ class AppliedOps(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 class StepResult(Columnar, msgspec.Struct, tag=True, array_like=True, omit_defaults=True, kw_only=True):
     """Worker → engine: what each row of a plan produced, stamped with key and generation.
 
-    One row per RecurrentBatch row (RECURRENT: its last depth) and per sampling CodaBatch row
-    (CODA: token, logprob, its position's exit depth). A DecodeBatch row gives one DECODE row per
-    token it sampled, in order (token, logprob, exit depth), then, unless a token ended its request,
-    one row for where it stopped: RECURRENT (depth = loops run at its position, 0 just after its
+    One row per sampling CodaBatch row (CODA: token, logprob, its position's exit depth); the
+    engine planned every RecurrentBatch row's loops, so those are not reported. A DecodeBatch row
+    gives one DECODE row per token it sampled, in order (token, logprob, exit depth), then, unless
+    a token ended its request (or it continued a slot whose request had ended: no row at all), one
+    row for where it stopped: RECURRENT (depth = loops run at its position, 0 just after its
     PRELUDE; exit_states) or EXITED (its position exited after `depth` loops; boundary work next).
     """
 

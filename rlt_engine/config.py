@@ -55,8 +55,9 @@ class EngineConfig:
     max_bypasses: int = _opt(8, "times a waiting request may be passed over by later ones under priority")
     # Execution
     attention_backend: str | None = _opt(None, "torch or triton (default: triton on cuda, torch on cpu)")
-    max_plans_in_flight: int = _opt(1, "plans sent to a worker before its first result is read "
-                                       "(1 = synchronous; pipelining is not built yet)")
+    max_plans_in_flight: int = _opt(0, "plans a worker may have in flight: 2 builds and sends plan N+1 "
+                                       "before plan N's result is read (pipelined), 1 waits for each result "
+                                       "(0 = auto: 2 on cuda, 1 on cpu)")
     cuda_graphs: bool = _opt(True, "replay decode loop passes from CUDA graphs bucketed by row count "
                                    "(CUDA with Triton attention only)")
     fused_layers: bool = _opt(True, "Ouro's decoder layers through fused Triton kernels (residual add + "
@@ -65,11 +66,16 @@ class EngineConfig:
     cuda_graph_capture: str = _opt("startup", "when decode-pass graphs are captured: startup (every row × width "
                                               "bucket before the worker reports ready, so no capture lands in a "
                                               "request) or lazy (a bucket at its first use)")
+    cuda_graph_prefill: bool = _opt(True, "replay PREFILL chunk loop passes from CUDA graphs too, bucketed by "
+                                          "token and chunk count up to max_num_batched_tokens and captured with "
+                                          "the decode graphs (needs cuda_graphs; --no-cuda-graph-prefill for A/B)")
     loops_per_plan: int = _opt(0, "most loop passes one plan runs: a position with a known exit depth runs "
                                   "up to this many of its loops; under ouro, ouro_delayed, kl and latent_diff "
                                   "the worker decides exits and samples up to this many + 1 tokens per row "
                                   "(0 = auto: 4·D on cuda, 1 on cpu)")
-    mixed_batches: bool = _opt(False, "prefill-chunk and decode rows in one loop pass (not built yet)")
+    mixed_batches: bool = _opt(False, "prompt chunks ride the loop passes of running decode rows (a chunk's D "
+                                      "loops in the plan's first D passes, one pass over both within "
+                                      "max_num_batched_tokens), so a new prompt does not stall decodes")
     enable_prefix_caching: bool = _opt(True, "share the K/V of full prompt blocks between requests on a worker "
                                              "(keyed by a hash chain of their tokens), kept after their last "
                                              "user finishes and evicted least recently used when blocks run short")
@@ -98,11 +104,9 @@ class EngineConfig:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("prefill_chunk_size", self.prefill_chunk_size)
-        if self.max_plans_in_flight != 1:
-            raise ValueError(f"max_plans_in_flight must be 1 (pipelined plans are not built yet), "
+        if self.max_plans_in_flight not in (0, 1, 2):
+            raise ValueError(f"max_plans_in_flight must be 0 (auto), 1 (synchronous) or 2 (pipelined), "
                              f"got {self.max_plans_in_flight!r}")
-        if self.mixed_batches:
-            raise ValueError("mixed_batches is not built yet: prefill chunks and decode rows run in separate passes")
         _positive("loops_per_plan", self.loops_per_plan, minimum=0)
         if self.num_blocks is not None:
             _positive("num_blocks", self.num_blocks)
@@ -128,9 +132,13 @@ class EngineConfig:
         graphs = self.cuda_graphs and on_cuda and backend == "triton"
         fused = self.fused_layers and on_cuda and backend == "triton"  # the kernels are Triton's, on CUDA
         loops_per_plan = self.loops_per_plan or (0 if on_cuda else 1)  # 0 stays: 4·D, known once workers are up
+        # The CPU computes a plan as it is submitted: nothing would overlap, and the float64 suites
+        # keep their one-plan-at-a-time reading of a step.
+        in_flight = self.max_plans_in_flight or (2 if on_cuda else 1)
         return dataclasses.replace(
             self, model=resolve_model(self.model), device=device, dtype=dtype, attention_backend=backend,
-            cuda_graphs=graphs, fused_layers=fused, loops_per_plan=loops_per_plan,
+            cuda_graphs=graphs, cuda_graph_prefill=self.cuda_graph_prefill and graphs, fused_layers=fused,
+            loops_per_plan=loops_per_plan, max_plans_in_flight=in_flight,
         )
 
     def worker_config(self, device: str) -> WorkerConfig:
@@ -151,6 +159,8 @@ class EngineConfig:
             cuda_graphs=self.cuda_graphs,
             fused_layers=self.fused_layers,
             cuda_graph_capture=self.cuda_graph_capture,
+            cuda_graph_prefill=self.cuda_graph_prefill,
+            max_num_batched_tokens=self.max_num_batched_tokens,
         )
 
 

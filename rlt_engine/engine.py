@@ -64,11 +64,13 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             prefix_cache_salt=f"{config.model}|{config.dtype}|{config.kv_layout}|D={self.max_depth}|"
                               f"{config.state_init}",
-            # The runner draws Huginn's random initial state per (seed, position) (ModelRunner._initial_state).
+            # The runner draws Huginn's random initial state per (seed, position) (ModelRunner.initial_state).
             prompt_kv_seeded=ready.model.family == "huginn" and config.state_init == "random",
+            max_plans_in_flight=config.max_plans_in_flight,
+            mixed_batches=config.mixed_batches,
         )
         self.scheduler = Scheduler(scheduler_config, self.policy, kv_managers, self.rng)
-        self._busy: set[int] = set()
+        self._in_flight = [0] * len(readies)  # per worker: plans submitted whose result is not read yet
         self._restarting: set[int] = set()  # replacements starting (restart_workers), off the step loop
         self._failed_starts = [0] * len(readies)  # replacements in a row that died before serving
         self._plan_listeners: list[PlanListener] = []
@@ -107,7 +109,7 @@ class LLMEngine:
     @property
     def has_work_in_flight(self) -> bool:
         """Whether a plan is running on some worker or a replacement worker is starting."""
-        return bool(self._busy or self._restarting)
+        return bool(any(self._in_flight) or self._restarting)
 
     def health(self) -> HealthReport:
         """Liveness and load: alive workers, waiting and running requests, KV usage per worker, counters."""
@@ -176,15 +178,18 @@ class LLMEngine:
     # ------------------------------------------------------------------ step
 
     def step(self, timeout: float | None = None) -> list[GenerationOutput]:
-        """Run one step on every idle worker; returns the outputs this step changed.
+        """Fill every worker's plans in flight, read the results that come; returns the outputs this
+        step changed.
 
         `timeout` bounds the wait for a worker's result (None: wait for one); a serving loop
-        passes a short timeout so that it can answer clients in between.
+        passes a short timeout so that it can answer clients in between. With max_plans_in_flight
+        = 2 a worker's next plan is built and sent before its last one's result is read, so the
+        engine's work overlaps the worker's.
         """
         self._check_responsive()
         changed = self._collect(0.0) if self.executor.has_events else []  # e.g. a death seen meanwhile
         self._submit_idle_workers()
-        if self._busy or self._restarting:
+        if self.has_work_in_flight:
             changed += self._collect(timeout)
         # Submit before publishing: the next plans (and any slot releases) are on their way.
         self._submit_idle_workers()
@@ -194,7 +199,8 @@ class LLMEngine:
     def _collect(self, timeout: float | None) -> list[Request]:
         changed: list[Request] = []
         for worker, event in self.executor.collect(timeout=timeout):
-            self._busy.discard(worker)
+            if isinstance(event, StepResult):
+                self._in_flight[worker] -= 1
             changed.extend(self._apply(worker, event))
         return changed
 
@@ -205,17 +211,17 @@ class LLMEngine:
             self.scheduler.set_responsive(worker, silent <= late_after)
 
     def _submit_idle_workers(self) -> None:
+        """Up to max_plans_in_flight plans per worker; each is built from what the engine knows now."""
         for worker in range(len(self.scheduler.books)):
-            if worker in self._busy or not self.scheduler.has_work(worker):
-                continue
-            builder = self.scheduler.schedule(worker)
-            if builder is None:
-                continue
-            plan = builder.build()
-            for listener in self._plan_listeners:
-                listener(worker, plan)
-            self.executor.submit(worker, plan)
-            self._busy.add(worker)
+            while self._in_flight[worker] < self.config.max_plans_in_flight and self.scheduler.has_work(worker):
+                builder = self.scheduler.schedule(worker)
+                if builder is None:
+                    break
+                plan = builder.build()
+                for listener in self._plan_listeners:
+                    listener(worker, plan)
+                self.executor.submit(worker, plan)
+                self._in_flight[worker] += 1
 
     def _apply(self, worker: int, result: StepResult | WorkerLost | WorkerReady) -> list[Request]:
         if isinstance(result, WorkerReady):
@@ -241,6 +247,7 @@ class LLMEngine:
             log.error("the replacement of worker %d failed to start (%s)", worker, lost.reason)
         else:
             log.error("worker %d lost (%s); replaying its requests", worker, lost.reason)
+        self._in_flight[worker] = 0  # its plans in flight will never return
         failed = self.scheduler.worker_lost(worker)
         if self.config.restart_workers and self._failed_starts[worker] < MAX_FAILED_STARTS:
             self.executor.begin_restart(worker)

@@ -7,6 +7,9 @@ step without the engine seeing any device value in between:
     (a position that exited: finalize, sample output k, embed it at the next position,
      run that position's loop 1 — the sampled token never leaves the worker; a DECODE row
      does all of this in the worker, as often as its exits and the plan's passes allow)
+
+With mixed batches (`ride_prefill`) the PREFILL batch is only set up first: its loops ride the
+RECURRENT and DECODE passes, as extra rows of each (rlt_worker/prefill_rows.py).
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ class PlanBuilder:
         self._imports: list[tuple[int, int]] = []
         self._swap_drops: list[tuple[int, int]] = []
         self._rows: dict[type, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+        self._prefill_rides = False  # the prompt chunks ride the loop passes (mixed batches)
 
     @property
     def is_empty(self) -> bool:
@@ -81,6 +85,15 @@ class PlanBuilder:
             self._admits or self._appends or self._releases or self._rows
             or self._exports or self._imports or self._swap_drops
         )
+
+    @property
+    def has_loop_rows(self) -> bool:
+        """Whether the plan runs loop passes over slot rows (RECURRENT or DECODE rows)."""
+        return RecurrentBatch in self._rows or DecodeBatch in self._rows
+
+    def ride_prefill(self) -> None:
+        """Mixed batches: the plan's prompt chunks (if it gets any) ride its loop passes."""
+        self._prefill_rides = True
 
     def _row(self, kind: type, request: Request, **fields: object) -> None:
         self.named.add(request.key)
@@ -146,15 +159,16 @@ class PlanBuilder:
             exit_depths=exit_depth,
         )
 
-    def decode(self, request: Request, exited: bool) -> None:
+    def decode(self, request: Request, exited: bool, continues: bool = False) -> None:
         """The request's current position to the worker's decode loop, with `depth` loops run there
-        (`exited`: it has exited after them, its boundary work first)."""
+        (`exited`: it has exited after them, its boundary work first; `continues`: from where the
+        slot's row in a plan still in flight stops, the other columns ignored)."""
         limits, position = request.limits, request.position
         self._row(
             DecodeBatch, request, positions=position, depths=request.depth, exited=int(exited),
             exit_states=request.exit_state, output_indices=position - (request.prompt_len - 1),
             seeds=self._seed_of(request.key), min_loops=limits.min_loops, max_loops=limits.max_loops,
-            thresholds=limits.threshold,
+            thresholds=limits.threshold, continues=int(continues),
         )
 
     @property
@@ -196,6 +210,8 @@ class PlanBuilder:
             if not rows:
                 continue
             fields: dict[str, object] = {name: pack(values, kind.COLUMNS[name]) for name, values in rows.items()}
+            if kind is PrefillBatch and self._prefill_rides:
+                fields.update(rides_loop_passes=True)
             if kind is DecodeBatch:
                 assert self._decode is not None, "decode rows under a policy that plans every exit"
                 fields.update(exit_test=self._decode.exit_test, max_passes=self._decode.max_passes,

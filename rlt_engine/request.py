@@ -69,6 +69,7 @@ class Request:
     exit_state: float = 1.0  # the worker's exit test state at the current position (Ouro: ∏ (1 − λ))
     stop_token_ids: frozenset[int] = frozenset()  # tokens that end it: its stop_token_ids, EOS unless ignore_eos
     last_step_id: int = -1  # the last step whose plan named this request
+    decode_step_id: int = -1  # the last step whose plan carried a DecodeBatch row of this life
     block_hashes: tuple[bytes, ...] = ()  # prefix-cache keys of its prompt's shareable blocks
     num_cached_tokens: int = -1  # prompt tokens its first admission found in the prefix cache (−1: not admitted)
     num_workers_lost: int = 0  # workers that died while holding this request

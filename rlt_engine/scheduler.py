@@ -11,10 +11,15 @@ loop boundaries:
        (refill: at once; no_refill: only when the worker's whole cohort has exited). Under a
        policy whose exits the worker decides (ouro*, kl, latent_diff) a live position is one
        DecodeBatch row instead: the worker loops it, tests it, samples and refills in the plan
-    3. prompt chunks of admitted requests, within max_num_batched_tokens
+    3. prompt chunks of admitted requests, within max_num_batched_tokens; with mixed batches
+       they ride the loop passes of step 2's rows (prefill_mixing.py)
 
 `update(worker, result)` applies a StepResult: tokens, exit depths, exit states, finishes, as if
-the host had decided them. Rows whose key or generation is not the request's current one are
+the host had decided them. With pipelined plans (max_plans_in_flight = 2) the next plan is built
+before the last one's result arrives: everything the engine plans (prompt chunks, loops of known
+exit depth, boundaries) is decided when it is scheduled, a DecodeBatch row whose previous row is
+still in flight continues on the worker (`continues`), and a request found finished late has the
+rest of its rows dropped as stale. Rows whose key or generation is not the request's current one are
 dropped. Per-worker state lives in one WorkerBook per worker; the preemption mode is a strategy;
 faults are in scheduler_faults.py.
 """
@@ -31,6 +36,7 @@ from rlt_engine.kv_manager import KVManager
 from rlt_engine.placement import Placement
 from rlt_engine.plan_builder import DecodeSettings, PlanBuilder
 from rlt_engine.preemption import make_preemption
+from rlt_engine.prefill_mixing import make_prefill_mixing
 from rlt_engine.prefix_cache import BlockHasher, NoPrefixCaching
 from rlt_engine.request import Phase, Request, RequestStatus
 from rlt_engine.rng import RngRegistry
@@ -63,6 +69,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = False  # full prompt blocks shared through each worker's cache index
     prefix_cache_salt: str = ""  # what a prompt's K/V depends on besides its tokens: model, dtype, layout, D
     prompt_kv_seeded: bool = False  # Huginn's random state init: the prompt's K/V depends on its seed too
+    max_plans_in_flight: int = 1  # 2: a worker's next plan is built before its last one's result is read
+    mixed_batches: bool = False  # prompt chunks ride the loop passes of the step's decode rows
 
 
 @dataclass
@@ -87,6 +95,7 @@ class Scheduler(SchedulerFaults):
         self.policy = policy
         self.rng = rng
         self.preemption = make_preemption(config.preemption)
+        self.mixing = make_prefill_mixing(config.mixed_batches)
         self._decode = None if policy.exit_test is None else DecodeSettings(
             policy.exit_test, max_passes=config.loops_per_plan, refill=config.refill)
         self.books = [WorkerBook(w, kv, config.max_num_seqs) for w, kv in enumerate(kv_managers)]
@@ -195,6 +204,12 @@ class Scheduler(SchedulerFaults):
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
+            if self._decoding_on_worker(book, request):
+                # Its state is the result of a plan in flight: the worker goes on from there (no_refill:
+                # the cohort's boundary work waits for that result).
+                if self.config.refill and self._schedule_decode(plan, request, exited=False, continues=True):
+                    budget -= 1
+                continue
             if request.phase == Phase.LOOP:
                 if self._schedule_loop(plan, request):
                     budget -= 1
@@ -202,11 +217,12 @@ class Scheduler(SchedulerFaults):
                 if self._ensure_positions(plan, request, min(request.position + 2, request.max_positions)):
                     self._schedule_boundary(plan, request)
                     budget -= 1
+        rides = self.mixing.rides(plan)
         for request in list(book.running):
             if budget <= 0:
                 break
             if request.phase == Phase.PREFILL and request.status == RequestStatus.RUNNING:
-                budget -= self._schedule_prefill(plan, request, budget, cohort_busy)
+                budget -= self._schedule_prefill(plan, request, budget, rides, cohort_busy)
         if plan.is_empty:
             return None
         for key in plan.named:
@@ -229,9 +245,10 @@ class Scheduler(SchedulerFaults):
             if book is None and self.config.priority:
                 victim = self.placement.priority_victim(request)
                 if victim is not None:
+                    freed_now = self._frees_at_once(victim)
                     self.preempt(victim)
-                    if not self.preemption.frees_blocks_at_once:
-                        return  # the victim's blocks and slot return only after its export runs
+                    if not freed_now:
+                        return  # the victim's blocks and slot return after its export or its plan in flight
                     continue
             if book is None:
                 return
@@ -270,12 +287,24 @@ class Scheduler(SchedulerFaults):
                 victim = self._growth_victim(book, request, plan)
                 if victim is None:
                     return False
+                freed_now = self._frees_at_once(victim)
                 self.preempt(victim)
-                if not self.preemption.frees_blocks_at_once:
-                    return False  # a swapped victim's blocks return only after its export runs
+                if not freed_now:
+                    return False  # its blocks return after its export runs, or after its plan in flight
                 continue
             plan.append_blocks(request, book.kv.grow(allocation))
         return True
+
+    def _frees_at_once(self, victim: Request) -> bool:
+        """Whether preempting `victim` frees its blocks for this step's plan: recompute, and no plan
+        naming it is in flight (a swapped victim's blocks return after its export)."""
+        completed = self.books[victim.worker].kv.completed_step
+        return self.preemption.frees_blocks_at_once and victim.last_step_id <= completed
+
+    def _decoding_on_worker(self, book: WorkerBook, request: Request) -> bool:
+        """Whether a plan in flight carries a DecodeBatch row of the request: its position, depth and
+        exit state are then that plan's result, which the engine has not read yet."""
+        return self._decode is not None and request.decode_step_id > book.kv.completed_step
 
     @staticmethod
     def _growth_victim(book: WorkerBook, request: Request, plan: PlanBuilder) -> Request | None:
@@ -315,40 +344,56 @@ class Scheduler(SchedulerFaults):
         else a DecodeBatch row (False: it could not be scheduled this step)."""
         if request.exit_depth is None:
             return self._schedule_decode(plan, request, exited=False)
-        first = request.depth + 1
-        num_loops = self._num_loops(request, first)
-        request.depth = first + num_loops - 1
-        plan.recurrent(request, request.position, first, num_loops)
+        self._plan_loops(plan, request, request.depth + 1)
         return True
+
+    def _plan_loops(self, plan: PlanBuilder, request: Request, first_depth: int) -> None:
+        """The loops of a position whose exit depth is known, from `first_depth`; when they reach it the
+        position's boundary is next, decided now (a pipelined plan may carry it before this one's result)."""
+        num_loops = self._num_loops(request, first_depth)
+        request.depth = first_depth + num_loops - 1
+        plan.recurrent(request, request.position, first_depth, num_loops)
+        if request.depth >= request.exit_depth:
+            request.phase = Phase.BOUNDARY
 
     def _num_loops(self, request: Request, first_depth: int) -> int:
         """Loops one plan runs from `first_depth` of a position whose exit depth is known."""
         assert request.exit_depth is not None
         return max(1, min(self.config.loops_per_plan, request.exit_depth - first_depth + 1))
 
-    def _schedule_decode(self, plan: PlanBuilder, request: Request, exited: bool) -> bool:
+    def _schedule_decode(self, plan: PlanBuilder, request: Request, exited: bool, continues: bool = False) -> bool:
         """A DecodeBatch row for the request's position (the worker decides its exit). Its next position
         must have blocks (an exit is always followed by its PRELUDE); the positions a plan may reach
-        get them too while blocks are free. False: no block for the next position this step."""
+        get them too while blocks are free. False: no block for the next position this step.
+
+        `continues`: a plan in flight carries the request's previous row, so the host's position lags
+        by up to that plan's tokens; the row goes on from where the worker left it."""
         if not self._ensure_positions(plan, request, min(request.position + 2, request.max_positions)):
             return False
-        self._reserve_ahead(plan, request)
-        plan.decode(request, exited)
+        self._reserve_ahead(plan, request, self.config.max_plans_in_flight if continues else 1)
+        plan.decode(request, exited, continues)
+        request.decode_step_id = plan.step_id
         return True
 
-    def _reserve_ahead(self, plan: PlanBuilder, request: Request) -> None:
-        """Blocks for every position a DecodeBatch row may reach in one plan, from free blocks only
-        (never by preemption): up to loops_per_plan new positions, plus the one after them, which
-        the worker wants covered before it loops the last. Those a plan does not reach serve the
-        next plans; a request that ends frees them with the rest of its allocation."""
+    def _reserve_ahead(self, plan: PlanBuilder, request: Request, num_plans: int) -> None:
+        """Blocks for every position the request's DecodeBatch rows of `num_plans` plans (this one and
+        those in flight) may reach, from free blocks only (never by preemption): up to loops_per_plan
+        + 1 new positions per plan, plus the one after them, which the worker wants covered before
+        it loops the last. Those the plans do not reach serve the next plans; a request that ends
+        frees them with the rest of its allocation."""
         allocation, kv = request.allocation, self.books[request.worker].kv
         assert allocation is not None
-        reach = min(request.position + self.config.loops_per_plan + 2, request.max_positions)
+        reach = min(request.position + num_plans * (self.config.loops_per_plan + 1) + 1, request.max_positions)
         while allocation.num_positions < reach and kv.can_grow():
             plan.append_blocks(request, kv.grow(allocation))
 
-    def _schedule_prefill(self, plan: PlanBuilder, request: Request, budget: int, cohort_busy: bool) -> int:
-        """Schedule the next prompt chunk; returns the tokens it costs."""
+    def _schedule_prefill(
+        self, plan: PlanBuilder, request: Request, budget: int, rides: bool, cohort_busy: bool
+    ) -> int:
+        """Schedule the next prompt chunk (`rides`: in the plan's loop passes); returns the tokens it costs.
+
+        The prompt's last chunk is followed by its boundary work in the same plan, except under no_refill
+        while the cohort loops, and after a riding chunk unless that work is a DecodeBatch row."""
         remaining = request.prompt_len - request.num_prefilled
         chunk = min(remaining, self.config.prefill_chunk_size, budget)
         if self.config.kv_layout == "shared":
@@ -363,9 +408,15 @@ class Scheduler(SchedulerFaults):
             request.phase = Phase.BOUNDARY
             request.position = request.prompt_len - 1
             request.depth = request.exit_depth = self.config.max_depth
-            if not cohort_busy:
+            if not cohort_busy and (not rides or self._decodes_first_output(request)):
                 self._schedule_boundary(plan, request)
         return chunk
+
+    def _decodes_first_output(self, request: Request) -> bool:
+        """Whether the boundary after the prompt is a DecodeBatch row: the worker decides exits and output
+        0 is not a replayed one. The worker holds such a row until a riding chunk's last loop has run;
+        CODA rows, which run before the plan's loop passes, would read a state not computed yet."""
+        return self._decode is not None and request.num_outputs == 0
 
     def _schedule_boundary(self, plan: PlanBuilder, request: Request) -> None:
         """[finalize →] CODA of the exited position, then PRELUDE + loop 1 of the next one.
@@ -406,8 +457,7 @@ class Scheduler(SchedulerFaults):
             request.depth = 0
             self._schedule_decode(plan, request, exited=False)
             return
-        request.depth = self._num_loops(request, 1)
-        plan.recurrent(request, request.position, 1, request.depth)
+        self._plan_loops(plan, request, 1)
 
     def _reset_for_replay(self, request: Request) -> None:
         """Start a new life of the request's slot: prompt again, delivered outputs replayed."""
@@ -418,6 +468,7 @@ class Scheduler(SchedulerFaults):
         request.position = 0
         request.depth = 0
         request.exit_depth = None
+        request.decode_step_id = -1
 
     # ------------------------------------------------------------------ results
 
@@ -441,8 +492,8 @@ class Scheduler(SchedulerFaults):
             elif stage == Stage.DECODE:
                 self._apply_decoded_token(request, token, logprob, depth)
                 changed[key] = request
-            elif stage == Stage.RECURRENT:
-                self._apply_loop(request, depth, exit_state)
+            elif stage == Stage.RECURRENT:  # a DecodeBatch row stopped looping its position
+                request.depth, request.exit_state = depth, exit_state
             elif stage == Stage.EXITED:
                 request.depth = request.exit_depth = depth
                 request.phase = Phase.BOUNDARY
@@ -466,11 +517,3 @@ class Scheduler(SchedulerFaults):
             request.phase, request.depth, request.exit_depth = Phase.LOOP, 0, None
             request.exit_state = self.policy.initial_state
 
-    def _apply_loop(self, request: Request, depth: int, exit_state: float) -> None:
-        """A position ran `depth` loops: a planned one reaches its boundary at its exit depth; a
-        worker-decided one keeps its exit test's state for the next plan."""
-        request.depth = depth
-        if request.exit_depth is None:
-            request.exit_state = exit_state
-        elif depth >= request.exit_depth:
-            request.phase = Phase.BOUNDARY

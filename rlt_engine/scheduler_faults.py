@@ -64,8 +64,9 @@ class SchedulerFaults:
         assert sent is not None, f"worker {worker} failed a step the scheduler never sent"
         applied = result.applied or AppliedOps()
         never_opened = set(sent.admits[applied.admits:]) | set(sent.imports[applied.imports:])
-        releases = [s for s in book.to_release if s not in never_opened]  # aborted while in flight
-        releases += sent.releases[applied.releases:]
+        book.unopened |= never_opened  # a plan sent after this one (pipelined) may release them too
+        # Releases not sent yet (aborted while in flight) and those of this plan that did not run.
+        releases = [s for s in book.to_release + sent.releases[applied.releases:] if s not in book.unopened]
         book.swap.drops += sent.swap_drops[applied.swap_drops:] + [key for key, _ in sent.imports]
         for key, generation in sent.exports[applied.exports:]:
             releases.append((key, generation))  # still in its slot, with no host copy

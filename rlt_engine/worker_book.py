@@ -7,7 +7,10 @@ One `WorkerBook` per worker holds everything that used to be parallel per-worker
     to_release         slots to free in the next plan
     releases_in_flight step id → slots its plan frees (admits apply before releases, so a
                        released slot is held until that plan completes)
-    in_flight          the slot ops of the plan in flight (a failed plan is reconciled from them)
+    in_flight          step id → the slot ops of each plan in flight (a failed plan is reconciled
+                       from them; pipelined, two plans may be in flight)
+    unopened           slots a failed plan's admits or imports never opened (a plan sent after it
+                       may still name them: their releases are never sent again)
     num_free_slots     the worker's free slots as of its last result (for health)
     kv                 the KV manager of this worker's pool (and its prefix cache index)
     swap               the swap ledger: exports/imports/drops to send, host copies held
@@ -62,7 +65,8 @@ class WorkerBook:
         self.to_admit: list[Request] = []
         self.to_release: list[tuple[int, int]] = []
         self.releases_in_flight: dict[int, int] = {}
-        self.in_flight: SlotOps | None = None
+        self.in_flight: dict[int, SlotOps] = {}
+        self.unopened: set[tuple[int, int]] = set()
         self.swap = SwapLedger()
 
     @property
@@ -100,21 +104,21 @@ class WorkerBook:
 
     def sent(self, plan: PlanBuilder) -> None:
         """`plan` is on its way to the worker."""
-        self.in_flight = plan.slot_ops
+        self.in_flight[plan.step_id] = plan.slot_ops
 
     def completed(self, step_id: int, num_free_slots: int, failed: bool = False) -> SlotOps | None:
         """The worker has finished the plan of `step_id` (it failed midway if `failed`); returns its slot ops."""
         self.num_free_slots = num_free_slots
         self.kv.retire(step_id, failed)
         self.releases_in_flight.pop(step_id, None)
-        sent, self.in_flight = self.in_flight, None
-        return sent
+        return self.in_flight.pop(step_id, None)
 
     def lost(self) -> list[int]:
         """The worker died: its queues and host copies with it; returns the keys of the copies lost."""
         self.alive, self.num_free_slots = False, 0
         lost = list(self.swap.copies)
-        self.to_admit, self.to_release, self.releases_in_flight, self.in_flight = [], [], {}, None
+        self.to_admit, self.to_release, self.releases_in_flight, self.in_flight = [], [], {}, {}
+        self.unopened = set()
         self.swap = SwapLedger()
         return lost
 

@@ -30,7 +30,9 @@ then the capture, which runs nothing. All graphs share one memory pool (they are
 time and keep no outputs), so the captures cost the pool's largest pass plus the graphs
 themselves: `capture_mib` is the growth of the caching allocator's reserved memory over
 `capture_all()` (free device memory would also count other objects of the process being freed). Passes with more
-rows than the largest bucket and prefill run eagerly (`eager_passes` counts the decode ones).
+rows than the largest bucket run eagerly (`eager_passes` counts them). PREFILL chunk passes have graphs
+of their own (rlt_worker/prefill_graphs.py), captured first (they are the largest) in the same pool;
+`prefill_capture_s` and `prefill_capture_mib` are their share of the totals.
 
 `emulate=True` (CPU tests) runs the same padded, bucketed, static-buffer function eagerly in
 place of a replay: everything but the capture itself is exercised against the float64 oracle.
@@ -49,6 +51,7 @@ import numpy as np
 import torch
 
 from rlt_worker.coda_graphs import CodaGraphs
+from rlt_worker.prefill_graphs import PrefillGraphs, next_pow2
 
 if TYPE_CHECKING:
     from rlt_worker.model_runner import ModelRunner
@@ -65,6 +68,7 @@ class GraphStats:
 
     replays: int = 0  # passes run from a graph
     eager_passes: int = 0  # decode loop passes that fit no bucket
+    mixed_passes: int = 0  # decode loop passes run eagerly because prompt chunks rode them (mixed batches)
     captures: int = 0
     capture_s: float = 0.0
     startup_captures: int = 0  # captured by capture_all() before serving
@@ -78,20 +82,32 @@ class GraphStats:
     padded_rows: int = 0  # bucket rows beyond them
     buckets: dict[str, int] = field(default_factory=dict)  # "rows x width" → replays
     error: str | None = None  # a capture failed: every later pass runs eagerly
+    prefill_replays: int = 0  # PREFILL loop passes run from a graph (D per batch)
+    prefill_eager: int = 0  # PREFILL loop passes run eagerly (single positions, too many tokens, a failed capture)
+    prefill_rows: int = 0  # real token rows of the replayed prefill passes
+    prefill_padded_rows: int = 0  # bucket rows beyond them
+    prefill_startup_captures: int = 0  # prefill graphs captured by capture_all() (within startup_captures)
+    prefill_capture_s: float = 0.0  # their share of startup_capture_s
+    prefill_capture_mib: float = 0.0  # their share of capture_mib (captured first: the pool's growth)
+    prefill_buckets: dict[str, int] = field(default_factory=dict)  # "tokens x chunks" → batches
+    prefill_error: str | None = None  # a prefill capture failed: prefill runs eagerly (the rest keep graphs)
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "replays": self.replays, "eager_passes": self.eager_passes, "captures": self.captures,
+            "replays": self.replays, "eager_passes": self.eager_passes, "mixed_passes": self.mixed_passes,
+            "captures": self.captures,
             "capture_s": round(self.capture_s, 3), "startup_captures": self.startup_captures,
             "startup_capture_s": round(self.startup_capture_s, 3), "lazy_captures": self.lazy_captures,
             "capture_mib": round(self.capture_mib, 1), "rows": self.rows, "padded_rows": self.padded_rows,
             "coda_replays": self.coda_replays, "coda_eager": self.coda_eager, "coda_error": self.coda_error,
             "buckets": dict(self.buckets), "error": self.error,
+            "prefill_replays": self.prefill_replays, "prefill_eager": self.prefill_eager,
+            "prefill_rows": self.prefill_rows, "prefill_padded_rows": self.prefill_padded_rows,
+            "prefill_startup_captures": self.prefill_startup_captures,
+            "prefill_capture_s": round(self.prefill_capture_s, 3),
+            "prefill_capture_mib": round(self.prefill_capture_mib, 1),
+            "prefill_buckets": dict(self.prefill_buckets), "prefill_error": self.prefill_error,
         }
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 class _EagerReplay:
@@ -104,13 +120,15 @@ class _EagerReplay:
 class LoopPassGraphs:
     """Captures and replays the runner's decode loop passes (see the module docstring)."""
 
-    def __init__(self, runner: ModelRunner, dummy_slot: int, scratch_block: int, emulate: bool) -> None:
+    def __init__(
+        self, runner: ModelRunner, dummy_slot: int, scratch_block: int, emulate: bool, prefill_tokens: int = 0
+    ) -> None:
         self.runner = runner
         self.emulate = emulate
         self.dummy_slot = dummy_slot
         self.block_size = runner.storage.block_size
         self.max_width = runner.block_tables.shape[2]
-        largest = min(ROW_BUCKETS[-1], _next_pow2(runner.config.max_slots))
+        largest = min(ROW_BUCKETS[-1], next_pow2(runner.config.max_slots))
         self.row_buckets = tuple(b for b in ROW_BUCKETS if b <= largest)
         device = runner.device
         # Static inputs, one contiguous [3, rows] buffer per rows bucket: slots, positions, depths.
@@ -125,6 +143,8 @@ class LoopPassGraphs:
         self.stats = GraphStats()
         # A coda without attention (Ouro) is graphed too; Huginn's reads its coda K/V and stays eager.
         self.coda = CodaGraphs(self) if runner.model.info.num_outer_kv_layers == 0 else None
+        # PREFILL chunk passes of up to prefill_tokens rows (0: prefill runs eagerly).
+        self.prefill = PrefillGraphs(self, prefill_tokens) if prefill_tokens else None
 
     def widths(self) -> tuple[int, ...]:
         """Every width bucket: MIN_WIDTH, 2·MIN_WIDTH, … below max_width, then max_width."""
@@ -135,13 +155,15 @@ class LoopPassGraphs:
         return (*widths, self.max_width)
 
     def capture_all(self) -> None:
-        """Capture every rows × width bucket (largest first, so the shared pool grows once), then CODA's."""
-        cuda = not self.emulate
-        device = self.runner.device
-        if cuda:
-            torch.cuda.synchronize(device)
-            reserved_before = torch.cuda.memory_reserved(device)
-        t0 = time.perf_counter()
+        """Capture every prefill bucket, then every rows × width bucket, then CODA's: largest first, so
+        the shared pool grows once."""
+        t0, reserved_before = time.perf_counter(), self._reserved()
+        if self.prefill is not None:
+            captured = self.prefill.capture_all()
+            self.stats.startup_captures += captured
+            self.stats.prefill_startup_captures += captured
+            self.stats.prefill_capture_s = time.perf_counter() - t0
+            self.stats.prefill_capture_mib = (self._reserved() - reserved_before) / 2**20
         for rows in reversed(self.row_buckets):
             for width in reversed(self.widths()):
                 if (rows, width) not in self._graphs and self.stats.error is None:
@@ -153,18 +175,25 @@ class LoopPassGraphs:
         if self.coda is not None:
             self.stats.startup_captures += self.coda.capture_all()
         self.stats.startup_capture_s = time.perf_counter() - t0
-        if cuda:
-            self.stats.capture_mib = (torch.cuda.memory_reserved(device) - reserved_before) / 2**20
-        log.info("captured %d decode-pass graphs (%d row × %d width buckets) in %.1f s, %.0f MiB",
-                 self.stats.startup_captures, len(self.row_buckets), len(self.widths()), self.stats.startup_capture_s,
-                 self.stats.capture_mib)
+        self.stats.capture_mib = (self._reserved() - reserved_before) / 2**20
+        log.info("captured %d graphs (%d of prefill passes in %.1f s, %.0f MiB; decode passes: %d row × %d width "
+                 "buckets) in %.1f s, %.0f MiB", self.stats.startup_captures, self.stats.prefill_startup_captures,
+                 self.stats.prefill_capture_s, self.stats.prefill_capture_mib, len(self.row_buckets),
+                 len(self.widths()), self.stats.startup_capture_s, self.stats.capture_mib)
+
+    def _reserved(self) -> int:
+        """Reserved device memory of the caching allocator, after a sync (0 when emulating)."""
+        if self.emulate:
+            return 0
+        torch.cuda.synchronize(self.runner.device)
+        return torch.cuda.memory_reserved(self.runner.device)
 
     def bucket(self, num_rows: int, max_position: int) -> tuple[int, int] | None:
         """The (rows, width) bucket of a pass, or None when it has more rows than the largest bucket."""
         rows = next((b for b in self.row_buckets if b >= num_rows), None)
         if rows is None:
             return None
-        width = min(self.max_width, max(MIN_WIDTH, _next_pow2(max_position // self.block_size + 1)))
+        width = min(self.max_width, max(MIN_WIDTH, next_pow2(max_position // self.block_size + 1)))
         return rows, width
 
     def run(self, slots: np.ndarray, positions: np.ndarray, depths: np.ndarray) -> bool:

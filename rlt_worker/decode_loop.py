@@ -1,6 +1,7 @@
 """The worker's decode loop: one DecodeBatch's passes, exit tests, boundary work and refill (SPEC §6).
 
-    rows that enter exited    boundary work first
+    rows that enter exited    boundary work first (a row behind its prompt's riding last chunk, mixed
+                              batches: once that chunk's D loops have run, then it joins the next pass)
     pass 1 … max_passes       loop d + 1 of every looping row, each at its own position and depth
                               → the exit test (rlt_worker/exit_tests.py) → one readback: who exited
                               refill: their boundary work now; no_refill: they stop (EXITED)
@@ -16,6 +17,11 @@ So a row's tokens and exit depths do not depend on how many passes a plan runs.
 Coverage. A row loops a position only if its blocks also cover the next one (or the position
 holds its last output): an exit can then always be followed by its PRELUDE, and a row the engine's
 reservation does not reach stops right after a PRELUDE (RECURRENT at depth 0), never mid-boundary.
+
+Pipelined plans. The engine may send a slot's next DecodeBatch row before it has read this one's
+result: such a row `continues`, and starts where the slot's previous row stopped (position, depth,
+exited, output index, exit state: the slot table's `DecodeCursors`, written as every row stops), or
+does nothing if that row ended its request.
 
 The loop itself is host-driven: the exit test and the boundary run as eager torch ops on the
 state a pass left (a graph replay when one fits), and the host reads back a few bytes per pass to
@@ -38,6 +44,28 @@ if TYPE_CHECKING:
     from rlt_worker.model_runner import ModelRunner
 
 INITIAL_EXIT_STATE = 1.0  # a position's exit state before its first loop (∏ (1 − λ) over no loop)
+
+
+class ContinuationError(RuntimeError):
+    """A DecodeBatch row `continues` a slot with nothing to continue."""
+
+
+class DecodeCursors:
+    """Per slot, where its last DecodeBatch row stopped: what a row that `continues` starts from.
+    Part of the runner's slot table (it opens and closes slots); only DecodeLoop reads and writes it."""
+
+    def __init__(self, num_slots: int, device: torch.device) -> None:
+        self.positions = np.zeros(num_slots, dtype=np.int64)
+        self.depths = np.zeros(num_slots, dtype=np.int64)
+        self.exited = np.zeros(num_slots, dtype=bool)
+        self.indices = np.zeros(num_slots, dtype=np.int64)
+        self.ended = np.zeros(num_slots, dtype=bool)  # a token ended the slot's request
+        self.is_set = np.zeros(num_slots, dtype=bool)  # the slot has run a DecodeBatch row
+        self.exit_states = torch.ones(num_slots, dtype=torch.float64, device=device)
+
+    def reset(self, slot: int) -> None:
+        """A slot opened (admit or swap import): it has no DecodeBatch row behind it yet."""
+        self.is_set[slot] = False
 
 
 @dataclass
@@ -73,18 +101,28 @@ class DecodeLoop:
     def run(self, results: ResultBuilder) -> None:
         """Passes until every row has stopped or `max_passes` ran; every row's tokens and end into `results`."""
         rows = self.rows
-        self._stop_unless_completable(np.flatnonzero(~rows.exited))
-        self._boundary(np.flatnonzero(rows.exited), results)
-        for _ in range(self.batch.max_passes):
+        # Rows whose prompt's last chunk rides the passes (mixed batches) enter exited but wait for it.
+        behind_prefill = rows.running & rows.exited & np.isin(rows.slots, self.runner.riding_slots)
+        waiting = np.flatnonzero(behind_prefill)
+        self._stop_unless_completable(np.flatnonzero(rows.running & ~rows.exited))
+        self._boundary(np.flatnonzero(rows.running & rows.exited & ~behind_prefill), results)
+        passes = 0
+        while passes < self.batch.max_passes:
             looping = np.flatnonzero(rows.running & ~rows.exited)
+            if len(waiting) and (not self.runner.has_riding_loops or not len(looping)):
+                waiting = self._after_prefill(waiting, results)  # they join the next pass
+                continue
             if not len(looping):
                 break
             exits = self._pass(looping)
+            passes += 1
             if self.batch.refill:
                 self._boundary(exits, results)
             else:
                 rows.exited[exits] = True  # the cohort's boundary work waits for its last exit
+        self._after_prefill(waiting, results)
         self._report_ends(results)
+        self._save_cursors()
 
     # ------------------------------------------------------------------ setup
 
@@ -94,7 +132,7 @@ class DecodeLoop:
         options = [runner.slot_options[slot] for slot in slots.tolist()]
         n = len(slots)
         min_loops, max_loops = runner.upload(batch.col("min_loops"), batch.col("max_loops"))
-        return _Rows(
+        rows = _Rows(
             keys=batch.col("keys"), generations=batch.col("generations"), slots=slots,
             positions=batch.col("positions").astype(np.int64), depths=batch.col("depths").astype(np.int64),
             exited=batch.col("exited") > 0, indices=batch.col("output_indices").astype(np.int64),
@@ -105,6 +143,26 @@ class DecodeLoop:
             exit_states=self._floats(batch.col("exit_states")),
             limits=(min_loops, max_loops, self._floats(batch.col("thresholds"))),
         )
+        self._continue_rows(rows, np.flatnonzero(batch.col("continues") > 0))
+        return rows
+
+    def _continue_rows(self, rows: _Rows, continuing: np.ndarray) -> None:
+        """Rows that `continue` take their slot's cursor instead of the batch's columns."""
+        if not len(continuing):
+            return
+        cursors, slots = self.runner.decode_cursors, rows.slots[continuing]
+        if not cursors.is_set[slots].all():
+            raise ContinuationError("a DecodeBatch row continues a slot that has run no DecodeBatch row since it "
+                                    "opened: the engine must send that slot's first row in full")
+        ended = cursors.ended[slots]
+        rows.positions[continuing] = cursors.positions[slots]
+        rows.depths[continuing] = cursors.depths[slots]
+        rows.exited[continuing] = cursors.exited[slots] & ~ended
+        rows.indices[continuing] = cursors.indices[slots]
+        rows.running[continuing] = ~ended
+        rows.finished[continuing] = ended  # nothing to do, nothing to report
+        device_rows, device_slots = self.runner.upload(continuing, slots)
+        rows.exit_states[device_rows] = cursors.exit_states[device_slots]
 
     def _floats(self, column: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(column.astype(np.float64)).to(self.runner.device)
@@ -125,6 +183,14 @@ class DecodeLoop:
         exits, states = self.test.decide(runner, pass_rows, previous, rows.exit_states[device_rows])
         rows.exit_states[device_rows] = states
         return looping[exits.cpu().numpy()]  # the pass's readback: which rows go to their boundary
+
+    def _after_prefill(self, waiting: np.ndarray, results: ResultBuilder) -> np.ndarray:
+        """The riding chunks' last loops done (alone if no pass is left to ride), the boundary work of
+        the rows that waited for them; returns no rows."""
+        if len(waiting):
+            self.runner.finish_riding()
+            self._boundary(waiting, results)
+        return waiting[:0]
 
     def _boundary(self, exited: np.ndarray, results: ResultBuilder) -> None:
         """[FINALIZE →] CODA of the exited rows, then PRELUDE of the next token of each that goes on."""
@@ -185,3 +251,13 @@ class DecodeLoop:
                         exit_states=states)
         if len(exited):
             results.add(Stage.EXITED, rows.keys[exited], rows.generations[exited], depths=rows.depths[exited])
+
+    def _save_cursors(self) -> None:
+        """Where every row stopped, for a pipelined row of the next plan that continues it."""
+        rows, cursors = self.rows, self.runner.decode_cursors
+        slots = rows.slots
+        cursors.positions[slots], cursors.depths[slots] = rows.positions, rows.depths
+        cursors.exited[slots], cursors.indices[slots] = rows.exited, rows.indices
+        cursors.ended[slots], cursors.is_set[slots] = rows.finished, True
+        (device_slots,) = self.runner.upload(slots)
+        cursors.exit_states[device_slots] = rows.exit_states

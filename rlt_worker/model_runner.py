@@ -10,12 +10,18 @@ Per-slot device state (one row per slot):
     tokens     the token the slot's last CODA sampled (the next PRELUDE's input)
     prev_logp  Huginn KL: the previous loop's next-token log-distribution
     block_tables [planes, max_blocks]: the mirror of the engine's allocation, grown by deltas
+    decode_cursors where the slot's last DecodeBatch row stopped (a pipelined row continues there)
 
 No host readback sits between a plan's stages: the sampled token stays in `tokens`, the host
 keeps its own copy of the block tables (finalize addresses, table widths), and each stage's
 row columns go to the device in one upload (pinned and asynchronous on CUDA). The device→host
-copies are the result's, when the StepResult is built, and, inside a DecodeBatch
+copies are the result's, started on a side stream once the plan's work is queued (`submit`
+returns before they land, so the next plan's work can queue behind), and, inside a DecodeBatch
 (rlt_worker/decode_loop.py), each pass's exit decisions and the tokens sampled at its exits.
+
+A PREFILL batch's rows (rlt_worker/prefill_rows.py) run their D loops at once, or, when the plan says
+they ride (mixed batches), as extra rows of the plan's next D loop passes; whatever is left of them
+runs after the batches, before any slot op that reads a slot (exports).
 """
 
 from __future__ import annotations
@@ -45,13 +51,14 @@ from protocol.messages import (
 )
 from rlt_worker.attention import get_backend
 from rlt_worker.cuda_graphs import LoopPassGraphs
-from rlt_worker.decode_loop import DecodeLoop
+from rlt_worker.decode_loop import DecodeCursors, DecodeLoop
 from rlt_worker.kv_storage import LAST_EXITED, KVStorage
 from rlt_worker.models.base import LoopedModel
 from rlt_worker.paged_context import PagedContext, PagedPlaneView, PrefillChunks
 from rlt_worker.philox import truncated_normal
+from rlt_worker.prefill_rows import DeviceChunks, HostChunks, PrefillRows
 from rlt_worker.sampler import SamplingTensors, sample
-from rlt_worker.step_results import ResultBuilder
+from rlt_worker.step_results import PendingResult, ResultBuilder
 from rlt_worker.swap import SwapStore
 
 
@@ -73,6 +80,8 @@ class RunnerConfig:
     scratch_block: int = -1
     cuda_graphs: bool = False  # decode loop passes from CUDA graphs (needs scratch_block and CUDA)
     graph_capture: str = "lazy"  # "startup": every graph bucket in the constructor | "lazy": at first use
+    prefill_graphs: bool = False  # PREFILL chunk loop passes from CUDA graphs too (with cuda_graphs)
+    max_batch_tokens: int = 0  # token rows of a plan's largest batch: the prefill graphs' largest bucket
 
 
 class ModelRunner:
@@ -111,6 +120,9 @@ class ModelRunner:
         self.slot_options = [SamplingOptions()] * slots
         self.host_greedy = np.zeros(slots, dtype=bool)
         self._num_blocks = [0] * slots
+        self.decode_cursors = DecodeCursors(slots, self.device)
+        # Results leave the device on their own stream, so the next plan's work does not wait for them.
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._max_blocks = max_blocks
         self._pin = self.device.type == "cuda"
         self._slot_of: dict[tuple[int, int], int] = {}
@@ -119,29 +131,37 @@ class ModelRunner:
         self._swap = SwapStore()
         self.applied = AppliedOps()  # the slot ops of the current (or last) plan applied so far
         self.fault_hook: Callable[[str], None] | None = None  # tests: fail a plan at a chosen point
-        # tests: (slots, positions, depths) of every loop pass, as it starts (identity() names a slot)
+        # tests: (slots, positions, depths) of every loop pass over slot rows, as it starts, riding prompt
+        # chunks' rows included (identity() names a slot; a chunk's passes of its own are not reported)
         self.pass_listener: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None
         self._graphs: LoopPassGraphs | None = None
+        self._riding: PrefillRows | None = None  # the plan's PREFILL batch while its loops ride the passes
         if config.cuda_graphs and self.device.type == "cuda":
             self.use_pass_graphs(emulate=False)
             if config.graph_capture == "startup":  # before the worker reports ready: none while serving
                 self.capture_pass_graphs()
 
-    def use_pass_graphs(self, emulate: bool) -> None:
-        """Run decode loop passes through LoopPassGraphs (emulate: eagerly, CPU tests)."""
-        if self.config.scratch_block < 0:
+    def use_pass_graphs(self, emulate: bool, prefill: bool | None = None) -> None:
+        """Run decode loop passes through LoopPassGraphs (emulate: eagerly, CPU tests), and PREFILL
+        chunk passes too when `prefill` (default: the config's prefill_graphs)."""
+        config = self.config
+        if config.scratch_block < 0:
             raise ValueError("graph-captured passes need a scratch KV block (RunnerConfig.scratch_block)")
-        self._graphs = LoopPassGraphs(self, self.config.max_slots, self.config.scratch_block, emulate)
+        prefill = config.prefill_graphs if prefill is None else prefill
+        if prefill and config.max_batch_tokens < 1:
+            raise ValueError("prefill graphs need the batch token limit (RunnerConfig.max_batch_tokens)")
+        self._graphs = LoopPassGraphs(self, config.max_slots, config.scratch_block, emulate,
+                                      prefill_tokens=config.max_batch_tokens if prefill else 0)
 
     def capture_pass_graphs(self) -> None:
-        """Capture every decode-pass graph bucket now (see LoopPassGraphs.capture_all)."""
+        """Capture every graph bucket now: prefill, decode pass, CODA (see LoopPassGraphs.capture_all)."""
         if self._graphs is None:
             raise ValueError("capture_pass_graphs needs use_pass_graphs first")
         self._graphs.capture_all()
 
     @property
     def graph_stats(self) -> dict | None:
-        """Counters of graph-replayed and eager decode passes (None when graphs are off)."""
+        """Counters of graph-replayed and eager decode and prefill passes (None when graphs are off)."""
         return None if self._graphs is None else self._graphs.stats.as_dict()
 
     @property
@@ -155,14 +175,20 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ plan
 
-    @torch.inference_mode()
     def execute(self, plan: ExecutionPlan) -> StepResult:
-        """Apply a plan in its order (admits, appends, batches, releases) and report its rows.
+        """Run a plan and wait for its result."""
+        return self.submit(plan).result()
+
+    @torch.inference_mode()
+    def submit(self, plan: ExecutionPlan) -> PendingResult:
+        """Apply a plan in its order (admits, appends, batches, releases); its result rows are on
+        their way to the host when this returns (on the CPU: there already).
 
         `applied` counts the slot ops done so far, so a plan that raises midway can say which of
         its slot ops took effect (the Worker puts it into the error result)."""
         results = ResultBuilder(plan.step_id)
         self.applied = AppliedOps()
+        self._riding = None  # a failed plan's riding chunk is dropped with the plan
         for admit in plan.admits:
             self.fault_point("admit")
             self._admit(admit)
@@ -177,17 +203,18 @@ class ModelRunner:
             elif isinstance(batch, PreludeBatch):
                 self._prelude(batch)
             elif isinstance(batch, RecurrentBatch):
-                self._recurrent(batch, results)
+                self._recurrent(batch)
             elif isinstance(batch, FinalizeBatch):
                 self._finalize(batch)
             elif isinstance(batch, CodaBatch):
                 self._coda(batch, results)
             elif isinstance(batch, DecodeBatch):
                 DecodeLoop(self, batch).run(results)
+        self.finish_riding()
         self._swap.export(self, plan.exports)
         self._release(plan.releases)
         self._swap.drop(self, plan.swap_drops)
-        return results.build(num_free_slots=self.num_free_slots)
+        return results.finish(self.num_free_slots, self._copy_stream)
 
     # ------------------------------------------------------------------ slot table
 
@@ -202,6 +229,7 @@ class ModelRunner:
         self._slot_of[identity] = slot
         self._identity[slot] = identity
         self._num_blocks[slot] = 0
+        self.decode_cursors.reset(slot)
         return slot
 
     def close_slot(self, key: int, generation: int) -> int:
@@ -336,7 +364,8 @@ class ModelRunner:
             outer_view = PagedPlaneView(outer_tables, positions, block_size, table_rows)
         return PagedContext(self.storage, self._backend, positions, loop_view, outer_view, chunks)
 
-    def _initial_state(self, embedded: torch.Tensor, seeds: np.ndarray, positions: torch.Tensor) -> torch.Tensor:
+    def initial_state(self, embedded: torch.Tensor, seeds: np.ndarray, positions: torch.Tensor) -> torch.Tensor:
+        """The state loop 1 starts from (Huginn's random init draws Philox(seed, 2, position))."""
         noise = None
         if self.model.info.family == "huginn" and self.config.state_init == "random":
             (seed_tensor,) = self.upload(seeds.view(np.int64))
@@ -350,51 +379,45 @@ class ModelRunner:
     # ------------------------------------------------------------------ stages (batches)
 
     def _prefill(self, batch: PrefillBatch) -> None:
-        query_lens = batch.col("query_lens")
-        if self.config.kv_layout != LAST_EXITED and query_lens.max() > 1:
+        chunks = HostChunks.of(batch, self.slots_of(batch.col("keys"), batch.col("generations")))
+        if self.config.kv_layout != LAST_EXITED and chunks.max_query_len > 1:
             raise SlotError("SHARED prefill runs one position at a time (query_lens must be 1)")
-        row_slots = self.slots_of(batch.col("keys"), batch.col("generations"))
-        starts = batch.col("start_positions")
-        host_positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, query_lens, strict=True)])
-        cu_query_lens = np.concatenate([[0], np.cumsum(query_lens)])
-        positions, tokens, rows, start_positions, cu, table_rows = self.upload(
-            host_positions, batch.col("token_ids"), row_slots, starts, cu_query_lens,
-            np.repeat(np.arange(len(row_slots)), query_lens),
-        )
-        # Chunks attend through the backend's prefill kernel, unless every chunk is one position
-        # (SHARED always): then a row is its chunk and the decode kernel serves them.
-        max_query_len = int(query_lens.max())
-        chunks = PrefillChunks(cu, start_positions, table_rows, max_query_len) if max_query_len > 1 else None
-        width = self.table_width(host_positions)
+        if batch.rides_loop_passes:  # eager: its loops join the next loop passes (a graph holds fixed rows)
+            self._riding = PrefillRows(self, chunks, DeviceChunks.upload(self, chunks))
+            return  # finished by the decode loop, or after the batches
+        graphs = None if self._graphs is None else self._graphs.prefill
+        if graphs is None or not graphs.run(chunks):
+            PrefillRows(self, chunks, DeviceChunks.upload(self, chunks)).finish()
 
-        def context(depth: int | None) -> PagedContext:
-            depths = None if depth is None else torch.full_like(rows, depth)
-            return self.context(rows, positions, depths, width, chunks=chunks)
+    @property
+    def riding_slots(self) -> np.ndarray:
+        """Slots whose prompt chunk rides this plan's loop passes and has not finished (int64, maybe empty)."""
+        return np.empty(0, dtype=np.int64) if self._riding is None else self._riding.host.slots
 
-        embedded = self.model.embed(tokens, positions, context(None))
-        state = self._initial_state(embedded, np.repeat(batch.col("seeds"), query_lens), positions)
-        for depth in range(1, self.config.max_depth + 1):
-            state = self.model.loop(state, embedded, positions, context(depth))
-        if self.model.info.num_outer_kv_layers:  # Huginn: coda K/V of every prompt position
-            self.model.coda(state, positions, context(None))
-        last = cu[1:] - 1  # each chunk's last row
-        self.state[rows] = state[last]
-        self.embedded[rows] = embedded[last]
+    @property
+    def has_riding_loops(self) -> bool:
+        """Whether a riding prompt chunk still has loops for the next pass to run."""
+        return self._riding is not None and self._riding.num_loops_left > 0
+
+    def finish_riding(self) -> None:
+        """The riding chunks' loops no pass ran, alone, then their last states into their slots."""
+        if self._riding is not None:
+            self._riding.finish()
+            self._riding = None
 
     def _prelude(self, batch: PreludeBatch) -> None:
         row_slots = np.asarray(self.slots_of(batch.col("keys"), batch.col("generations")))
         self.embed_rows(row_slots, batch.col("positions"), batch.col("seeds"), batch.col("token_ids"))
 
-    def _recurrent(self, batch: RecurrentBatch, results: ResultBuilder) -> None:
-        keys, generations = batch.col("keys"), batch.col("generations")
-        row_slots = np.asarray(self.slots_of(keys, generations), dtype=np.int64)
+    def _recurrent(self, batch: RecurrentBatch) -> None:
+        """The planned loops of each row (the engine decided them: nothing is reported)."""
+        row_slots = np.asarray(self.slots_of(batch.col("keys"), batch.col("generations")), dtype=np.int64)
         positions, first = batch.col("positions"), batch.col("first_depths")
         num_loops = batch.col("num_loops")
         width = self.table_width(positions)  # a row that leaves the pass only narrows what the rest need
         for j in range(int(num_loops.max())):
             active = np.flatnonzero(num_loops > j)
             self.loop_pass(row_slots[active], positions[active], first[active] + j, width)
-        results.add(Stage.RECURRENT, keys, generations, depths=first + num_loops - 1)
 
     def _finalize(self, batch: FinalizeBatch) -> None:
         row_slots = np.asarray(self.slots_of(batch.col("keys"), batch.col("generations")))
@@ -426,7 +449,7 @@ class ModelRunner:
         tokens = self.tokens[slots] if not uploaded else torch.where(uploaded[0] >= 0, uploaded[0], self.tokens[slots])
         context = self.context(slots, positions, None, self.table_width(host_positions))
         embedded = self.model.embed(tokens, positions, context)
-        self.state[slots] = self._initial_state(embedded, seeds, positions)
+        self.state[slots] = self.initial_state(embedded, seeds, positions)
         self.embedded[slots] = embedded
         self._reset_kl(slots)
 
@@ -434,15 +457,32 @@ class ModelRunner:
         self, row_slots: np.ndarray, host_positions: np.ndarray, depths: np.ndarray, width: int,
         uploaded: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """One loop of each row at its own depth (a graph replay when one fits); `uploaded`: the
-        three columns already on the device."""
+        """One loop of each row at its own depth (a graph replay when one fits), with the plan's riding
+        prompt chunks' next loop when they have one left (mixed batches: one eager pass over both);
+        `uploaded`: the three columns already on the device."""
+        riding = self._riding if self.has_riding_loops else None
         if self.pass_listener is not None:
-            self.pass_listener(row_slots, host_positions, depths)
-        if self._graphs is not None and self._graphs.run(row_slots, host_positions, depths):
-            return
+            self._report_pass(row_slots, host_positions, depths, riding)
+        if self._graphs is not None:
+            if riding is not None:
+                self._graphs.stats.mixed_passes += 1  # a graph holds fixed rows: a pass with chunks runs eagerly
+            elif self._graphs.run(row_slots, host_positions, depths):
+                return
         slots, positions, device_depths = uploaded or self.upload(row_slots, host_positions, depths)
         context = self.context(slots, positions, device_depths, width)
-        self.state[slots] = self.model.loop(self.state[slots], self.embedded[slots], positions, context)
+        state, embedded = self.state[slots], self.embedded[slots]
+        if riding is None:
+            self.state[slots] = self.model.loop(state, embedded, positions, context)
+        else:
+            self.state[slots] = riding.ride(state, embedded, positions, context)
+
+    def _report_pass(self, row_slots: np.ndarray, host_positions: np.ndarray, depths: np.ndarray,
+                     riding: PrefillRows | None) -> None:
+        if riding is not None:
+            row_slots = np.concatenate([row_slots, riding.host.row_slots()])
+            host_positions = np.concatenate([host_positions, riding.host.positions()])
+            depths = np.concatenate([depths, np.full(riding.host.num_rows, riding.depth + 1)])
+        self.pass_listener(row_slots, host_positions, depths)
 
     def finalize_rows(self, row_slots: np.ndarray, host_positions: np.ndarray, exit_depths: np.ndarray) -> None:
         """LAST_EXITED: copy each row's exit-plane K/V at its position into every deeper plane."""

@@ -84,3 +84,26 @@ class PagedContext:
             q, k_cache, v_cache, view.block_tables, chunks.cu_query_lens, chunks.start_positions, scale,
             max_query_len=chunks.max_query_len,
         )
+
+
+class StackedContext:
+    """Several contexts' rows stacked in one batch (a mixed pass: slot rows, then prompt-chunk rows):
+
+        rows:  | part 0: n0 rows | part 1: n1 rows | …
+
+    Each part writes its rows' K/V and attends through its own kernel (decode rows through
+    paged_attention, chunks through prefill_attention); the model runs one GEMM per weight over all
+    rows. The parts' rows never read each other's K/V (they are other sequences), so the order in
+    which the parts write and read does not matter.
+    """
+
+    def __init__(self, parts: list[tuple[PagedContext, int]]) -> None:
+        self._parts = parts
+
+    def attend(self, layer: LayerId, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        outs, start = [], 0
+        for context, num_rows in self._parts:
+            rows = slice(start, start + num_rows)
+            outs.append(context.attend(layer, q[rows], k[rows], v[rows]))
+            start += num_rows
+        return torch.cat(outs)

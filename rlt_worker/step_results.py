@@ -1,8 +1,19 @@
-"""Collects a plan's result rows and packs them into one columnar StepResult."""
+"""Collects a plan's result rows and packs them into one columnar StepResult.
+
+On CUDA the device values of a plan's rows leave the GPU without stalling it:
+
+    compute stream  … plan N's batches ─ snapshot (one cat) ─ plan N+1's batches …
+                                              │ event
+    copy stream                               └─ copy to pinned host memory ─ event ─► PendingResult ready
+
+The snapshot (one cat on the compute stream) is memory only the copy reads: nothing plan N+1 does
+on the compute stream can race the copy, and the result is one transfer, not one per column.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -11,8 +22,30 @@ from protocol.columns import F64, I32, I64, pack
 from protocol.messages import Stage, StepResult
 
 
+class PendingResult:
+    """A plan's StepResult whose device values may still be on their way to the host."""
+
+    def __init__(self, build: Callable[[], StepResult], copied: torch.cuda.Event | None = None) -> None:
+        self._build = build
+        self._copied = copied  # None: nothing left on the device
+
+    @classmethod
+    def done(cls, result: StepResult) -> PendingResult:
+        return cls(lambda: result)
+
+    def is_ready(self) -> bool:
+        """Whether `result()` returns without waiting for the device."""
+        return self._copied is None or self._copied.query()
+
+    def result(self) -> StepResult:
+        """The StepResult (waits for its copy if it has not landed)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._build()
+
+
 class ResultBuilder:
-    """Rows in plan order; device values are read back once, when the result is built."""
+    """Rows in plan order; device values are read back once, when the plan's rows are all in."""
 
     def __init__(self, step_id: int) -> None:
         self.step_id = step_id
@@ -34,6 +67,32 @@ class ResultBuilder:
             {"stage": stage, "keys": keys, "generations": generations, "depths": depths,
              "exit_states": exit_states, "tokens": tokens, "logprobs": logprobs}
         )
+
+    def finish(self, num_free_slots: int, copy_stream: torch.cuda.Stream | None) -> PendingResult:
+        """Every row is in: start the copy of the device values (on `copy_stream`, behind the compute
+        stream's work so far; None: the CPU, build now)."""
+        device_fields = [(part, name) for part in self._parts for name in _DEVICE_FIELDS
+                         if isinstance(part[name], torch.Tensor)]
+        if copy_stream is None or not device_fields:
+            return PendingResult.done(self.build(num_free_slots))
+        values = [part[name].reshape(-1) for part, name in device_fields]
+        # One float64 buffer holds them all exactly (token ids, float32 or float64 values).
+        snapshot = torch.cat([v.to(torch.float64) for v in values])
+        host = torch.empty(snapshot.shape, dtype=torch.float64, pin_memory=True)
+        copy_stream.wait_stream(torch.cuda.current_stream(snapshot.device))
+        with torch.cuda.stream(copy_stream):
+            host.copy_(snapshot, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(copy_stream)
+        snapshot.record_stream(copy_stream)  # not reused by the compute stream before the copy ends
+        sizes = [v.numel() for v in values]
+
+        def build() -> StepResult:
+            for (part, name), chunk in zip(device_fields, np.split(host.numpy(), np.cumsum(sizes)[:-1]), strict=True):
+                part[name] = chunk
+            return self.build(num_free_slots)
+
+        return PendingResult(build, copied)
 
     def build(self, num_free_slots: int) -> StepResult:
         """The packed StepResult of every row added so far."""
@@ -57,6 +116,9 @@ class ResultBuilder:
             depths=joined("d", I32), exit_states=joined("x", F64), tokens=joined("t", I32),
             logprobs=joined("lp", F64), num_free_slots=num_free_slots,
         )
+
+
+_DEVICE_FIELDS = ("exit_states", "tokens", "logprobs")  # the fields a batch may leave on the device
 
 
 def _host(values: np.ndarray | torch.Tensor | None, n: int, fill: float) -> np.ndarray:

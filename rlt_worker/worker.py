@@ -16,6 +16,7 @@ from protocol.messages import ExecutionPlan, StepResult, WorkerHello, WorkerRead
 from rlt_worker.kv_storage import KVStorage, bytes_per_block, num_planes
 from rlt_worker.model_runner import ModelRunner, RunnerConfig
 from rlt_worker.models.loader import load_model
+from rlt_worker.step_results import PendingResult
 
 log = logging.getLogger("rlt.worker")
 
@@ -75,6 +76,8 @@ class Worker:
             scratch_block=num_blocks,
             cuda_graphs=config.cuda_graphs,
             graph_capture=config.cuda_graph_capture,
+            prefill_graphs=config.cuda_graph_prefill,
+            max_batch_tokens=config.max_num_batched_tokens,
         )
         self.runner = ModelRunner(model, storage, runner_config)
         log.info("worker %d ready on %s: %d KV blocks, %d planes", self.index, device, num_blocks, planes)
@@ -101,14 +104,20 @@ class Worker:
         return max(1, int(budget // bytes_per_block(info, self.config.block_size, dtype)))
 
     def execute(self, plan: ExecutionPlan) -> StepResult:
-        """Run one plan; a failure becomes an error result instead of killing the worker."""
+        """Run one plan and wait for its result."""
+        return self.submit(plan).result()
+
+    def submit(self, plan: ExecutionPlan) -> PendingResult:
+        """Queue one plan's work (on the CPU: run it); its result is ready once its copy lands. A
+        failure becomes an error result instead of killing the worker."""
         assert self.runner is not None, "start() first"
         try:
-            return self.runner.execute(plan)
+            return self.runner.submit(plan)
         except Exception as exc:  # the engine decides what a failed plan means
             log.exception("plan %d failed", plan.step_id)
-            return StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}",
-                              applied=self.runner.applied, num_free_slots=self.runner.num_free_slots)
+            return PendingResult.done(StepResult(
+                step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}", applied=self.runner.applied,
+                num_free_slots=self.runner.num_free_slots))
 
     def close(self) -> None:
         """Drop the runner and its device memory."""

@@ -11,6 +11,10 @@ heartbeat, on either socket) for min(3 × heartbeat interval, 3 s). The worker's
 go out between plans from the main thread and, while a plan runs, from a helper thread, so a
 plan longer than the engine's worker_timeout is not taken for a hang.
 
+Pipelined plans: a plan's work is queued (`Worker.submit`) and its result sent when its copy has
+landed (its CUDA event fired; on the CPU at once), in plan order. While a result is on its way the
+loop polls the socket without waiting, so the next plan's work is queued behind the running one.
+
 Imports no torch until the hello arrives, so the parent-death signal is armed within
 milliseconds of the fork rather than after seconds of importing.
 """
@@ -37,6 +41,7 @@ from protocol.codec import Codec
 from protocol.messages import ExecutionPlan, Heartbeat, Shutdown, WorkerHello, WorkerReady
 
 if TYPE_CHECKING:
+    from rlt_worker.step_results import PendingResult
     from rlt_worker.worker import Worker
 
 log = logging.getLogger("rlt.worker_process")
@@ -267,27 +272,36 @@ def _serve(link: EngineLink, worker: Worker, interval_s: float) -> int:
 
 def _serve_plans(link: EngineLink, worker: Worker, interval_s: float) -> int:
     deadline_s = min(3 * interval_s, MAX_DEADLINE_S)
+    pending: list[PendingResult] = []  # plans queued, in order, whose results are not sent yet
     while True:
         next_beat = link.last_sent + interval_s - time.monotonic()
-        messages = link.receive(min(POLL_S, max(0.0, next_beat)))
+        # A result on its way: poll without waiting, so it leaves as soon as it lands.
+        messages = link.receive(0.0 if pending else min(POLL_S, max(0.0, next_beat)))
         for message in messages:
             if isinstance(message, ExecutionPlan):
                 link.executing = True
                 try:
-                    result = worker.execute(message)
+                    pending.append(worker.submit(message))
                 finally:
                     link.executing = False
-                link.send(result)
+                _send_landed(link, pending)
             elif isinstance(message, Shutdown):
                 log.info("worker %d shutting down (%s)", worker.index, message.reason or "engine request")
                 return EXIT_OK
             elif not isinstance(message, Heartbeat):
                 log.warning("ignoring an unexpected %s", type(message).__name__)
+        _send_landed(link, pending)
         # Only judge silence after a poll that found nothing: frames queued while a long plan
         # ran are read (and refresh last_heard) before the deadline is checked.
-        link.check_engine(deadline_s if not messages else None)
+        link.check_engine(deadline_s if not messages and not pending else None)
         if time.monotonic() - link.last_sent >= interval_s:
             link.send(Heartbeat(sent_at=time.monotonic()), block=False)  # a full queue drops it
+
+
+def _send_landed(link: EngineLink, pending: list[PendingResult]) -> None:
+    """Send, in plan order, every result whose copy has landed."""
+    while pending and pending[0].is_ready():
+        link.send(pending.pop(0).result())
 
 
 def run_worker(

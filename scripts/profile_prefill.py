@@ -1,17 +1,24 @@
 """Where the time to first token of one request goes: wall time against GPU kernel time, by kernel.
 
-Run on the GPU host (one command; about a minute per chunk size):
+Run on the GPU host (one command; about half a minute per configuration):
 
-    python scripts/profile_prefill.py [--prompt-len 1024] [--chunk-sizes 512,1024] [--json $OUT/prefill.json]
+    python scripts/profile_prefill.py [--prompt-len 1024] [--chunk-sizes 512,1024] [--prefill-graphs on,off]
+                                      [--json $OUT/prefill.json]
 
-For each prefill chunk size it builds an in-process engine (`workers=0`, bf16, the Triton
-backend) on `synthetic-ouro-1.4b`, and for one request of `--prompt-len` random tokens with one
-output token (PREFILL at D loops, then one CODA) it reports
+For each prefill chunk size and each prefill-graph setting (`cuda_graph_prefill`: PREFILL chunk
+passes replayed from CUDA graphs, rlt_worker/prefill_graphs.py; the decode graphs stay on) it builds
+an in-process engine (`workers=0`, bf16, the Triton backend, graphs captured at start-up) on
+`synthetic-ouro-1.4b`, and for one request of `--prompt-len` random tokens with one output token
+(PREFILL at D loops, then one CODA) it reports
 
-- TTFT: wall time of `generate`, median of `--repeats` after two warm-ups;
+- TTFT: wall time of `generate`, median of `--repeats` after two warm-ups, and prompt tok/s
+  (prompt length / TTFT), against issue 17's one-prompt targets (TTFT ≤ 50 ms, ≥ 20,000 tok/s);
 - GPU time: the summed self time of every CUDA kernel of one more run under torch.profiler, and
   its share of that run's wall time (the rest is the host: the engine, the plan, launches);
-- the `--top` kernels by GPU time, with their call counts.
+- the `--top` kernels by GPU time, with their call counts;
+- the runner's graph counters (prefill replays and eager passes, start-up capture time and memory);
+
+then, per chunk size, the ratios graphs on / off of TTFT and prompt tok/s.
 
 `--device cpu --model toy-ouro` runs the same code without CUDA (a smoke test; times mean nothing).
 """
@@ -22,6 +29,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import time
 
 import torch
@@ -37,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="default: the engine's (bfloat16 on cuda)")
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--chunk-sizes", default="512,1024", help="comma-separated prefill_chunk_size values")
+    p.add_argument("--prefill-graphs", default="on,off", help="comma-separated cuda_graph_prefill settings (on, off)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--json", default=None)
@@ -59,9 +68,13 @@ def ranked(times: dict[str, tuple[float, int]], top: int) -> list[dict]:
     return [{"name": name, "s": s, "calls": c} for name, (s, c) in order]
 
 
-def profile_chunk_size(args: argparse.Namespace, chunk: int) -> dict:
+TARGET_TTFT_S = 0.050  # issue 17, one prompt
+TARGET_TOK_S = 20_000
+
+
+def profile_config(args: argparse.Namespace, chunk: int, graphs: bool) -> dict:
     options = {"device": args.device, "workers": 0, "prefill_chunk_size": chunk,
-               "max_num_batched_tokens": max(2048, chunk)}
+               "max_num_batched_tokens": max(2048, chunk), "cuda_graph_prefill": graphs}
     if args.dtype:
         options["dtype"] = args.dtype
     with LLM(args.model, **options) as llm:
@@ -80,31 +93,53 @@ def profile_chunk_size(args: argparse.Namespace, chunk: int) -> dict:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
         with profile(activities=activities) as prof:
             profiled_wall = once()
+        graph_stats = llm.engine.executor._worker.runner.graph_stats
     kernels = self_times(prof, device=True)
-    return {"chunk": chunk, "ttft_p50_s": statistics.median(walls), "ttft_s": walls,
+    return {"chunk": chunk, "prefill_graphs": graphs, "graph_stats": graph_stats,
+            "ttft_p50_s": statistics.median(walls), "ttft_s": walls,
             "profiled_wall_s": profiled_wall, "gpu_kernel_s": sum(s for s, _ in kernels.values()),
             "kernels": sum(c for _, c in kernels.values()), "top_kernels": ranked(kernels, args.top),
             "top_host": ranked(self_times(prof, device=False), args.top)}
 
 
+def _label(r: dict) -> str:
+    return f"chunk {r['chunk']}, prefill graphs {'on' if r['prefill_graphs'] else 'off'}"
+
+
+def print_report(r: dict, prompt_len: int) -> None:
+    share = r["gpu_kernel_s"] / r["profiled_wall_s"] if r["profiled_wall_s"] else 0.0
+    rate = prompt_len / r["ttft_p50_s"]
+    met = r["ttft_p50_s"] <= TARGET_TTFT_S and rate >= TARGET_TOK_S
+    print(f"{_label(r)}: TTFT p50 {r['ttft_p50_s'] * 1e3:.1f} ms ({rate:,.0f} prompt tok/s; targets "
+          f"{'met' if met else 'not met'}); profiled run {r['profiled_wall_s'] * 1e3:.1f} ms wall, "
+          f"{r['gpu_kernel_s'] * 1e3:.1f} ms in {r['kernels']} kernels ({share:.0%} of the wall)")
+    print(f"  graphs: {r['graph_stats']}")
+    for title, rows in (("GPU kernels", r["top_kernels"]), ("host (self CPU time)", r["top_host"])):
+        print(f"  {title}:")
+        for k in rows:
+            print(f"    {k['s'] * 1e3:8.2f} ms  {k['calls']:5d}×  {k['name'][:100]}")
+
+
 def main(args: argparse.Namespace) -> list[dict]:
-    reports = [profile_chunk_size(args, int(c)) for c in args.chunk_sizes.split(",")]
-    for r in reports:
-        share = r["gpu_kernel_s"] / r["profiled_wall_s"] if r["profiled_wall_s"] else 0.0
-        print(f"chunk {r['chunk']}: TTFT p50 {r['ttft_p50_s'] * 1e3:.1f} ms "
-              f"({args.prompt_len / r['ttft_p50_s']:,.0f} prompt tok/s); profiled run "
-              f"{r['profiled_wall_s'] * 1e3:.1f} ms wall, {r['gpu_kernel_s'] * 1e3:.1f} ms in {r['kernels']} "
-              f"kernels ({share:.0%} of the wall)")
-        for title, rows in (("GPU kernels", r["top_kernels"]), ("host (self CPU time)", r["top_host"])):
-            print(f"  {title}:")
-            for k in rows:
-                print(f"    {k['s'] * 1e3:8.2f} ms  {k['calls']:5d}×  {k['name'][:100]}")
+    settings = [{"on": True, "off": False}[g] for g in args.prefill_graphs.split(",")]
+    reports = []
+    for chunk in args.chunk_sizes.split(","):
+        for graphs in settings:  # each printed (and the JSON rewritten) as soon as it is measured
+            reports.append(profile_config(args, int(chunk), graphs))
+            print_report(reports[-1], args.prompt_len)
+            sys.stdout.flush()
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"prompt_len": args.prompt_len, "model": args.model, "reports": reports}, f, indent=1)
     base = reports[0]["ttft_p50_s"]
-    print("TTFT ratios to chunk", reports[0]["chunk"], ":",
-          ", ".join(f"{r['chunk']}: {r['ttft_p50_s'] / base:.3f}" for r in reports))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"prompt_len": args.prompt_len, "model": args.model, "reports": reports}, f, indent=1)
+    print(f"TTFT ratios to {_label(reports[0])}:", ", ".join(f"{_label(r)}: {r['ttft_p50_s'] / base:.3f}"
+                                                          for r in reports))
+    by_key = {(r["chunk"], r["prefill_graphs"]): r for r in reports}
+    for chunk in dict.fromkeys(r["chunk"] for r in reports):
+        on, off = by_key.get((chunk, True)), by_key.get((chunk, False))
+        if on and off:
+            print(f"chunk {chunk}: prefill graphs on / off: TTFT {on['ttft_p50_s'] / off['ttft_p50_s']:.3f}×, "
+                  f"prompt tok/s {off['ttft_p50_s'] / on['ttft_p50_s']:.3f}×")
     return reports
 
 

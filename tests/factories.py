@@ -332,6 +332,8 @@ class Driver:
         releases); nothing may be delivered then. Checks every life's stream."""
         self.step_until(lambda: self.all_closed and not self.engine.has_unfinished_requests())
         assert self.step() == [], "outputs delivered after every request had finished"
+        while self.engine.has_work_in_flight:  # pipelined: plans built before the last finish was read
+            assert self.step() == [], "outputs delivered after every request had finished"
         for life in self.lives:
             assert_stream_consistent(life)
         return self
@@ -355,16 +357,16 @@ def run_workload(llm: LLM, jobs: Iterable[Job], **kwargs: object) -> Driver:
 
 def assert_stream_consistent(life: Life) -> None:
     """A life's outputs grow by at least one token each (several when a plan sampled several), from
-    an empty list, and only the last one is finished; an abort output repeats the tokens delivered
-    so far."""
+    an empty list, and only the last one is finished; an abort or error output repeats the tokens
+    delivered so far."""
     name = life.job.request_id
     assert life.closed, f"{name}: no finished output was delivered"
     assert not any(o.finished for o in life.outputs[:-1]), f"{name}: outputs after a finished one"
     previous: list[int] = []
     for output in life.outputs:
         tokens = output.token_ids
-        if output.finish_reason == "abort":
-            assert tokens == previous, f"{name}: abort output {tokens} differs from delivered {previous}"
+        if output.finish_reason in ("abort", "error"):
+            assert tokens == previous, f"{name}: {output.finish_reason} output {tokens} differs from {previous}"
             continue
         assert len(tokens) > len(previous) and tokens[: len(previous)] == previous, (
             f"{name}: stream went from {previous} to {tokens}"
@@ -664,16 +666,13 @@ def add_requests(scheduler: Scheduler, n: int, *, prompt_len: int = 3, prefix: s
 
 
 def result_for(plan: ExecutionPlan, token: int = 7, error: str = "", applied: object = None) -> StepResult:
-    """The StepResult a worker would send for `plan`: each RECURRENT row at its last depth, each
-    sampling CODA row with `token`, each DecodeBatch row one DECODE token (`token`, its position
-    exiting at its depth, at least 1), then at depth 0 of its next position (dropped as stale when
-    the token ended the request). With `error`, no rows: the plan failed (`applied` says how far)."""
+    """The StepResult a worker would send for `plan`: each sampling CODA row with `token` (planned
+    loops report nothing), each DecodeBatch row one DECODE token (`token`, its position exiting at its
+    depth, at least 1), then at depth 0 of its next position (dropped as stale when the token ended
+    the request). With `error`, no rows: the plan failed (`applied` says how far)."""
     if error:
         return StepResult(step_id=plan.step_id, error=error, applied=applied)
     keys, generations, stages, depths, tokens = [], [], [], [], []
-    for key, gen, first, count in _rows(plan, RecurrentBatch, ("keys", "generations", "first_depths", "num_loops")):
-        keys.append(key), generations.append(gen), stages.append(Stage.RECURRENT)
-        depths.append(first + count - 1), tokens.append(-1)
     for key, gen, index, exit_depth in _rows(plan, CodaBatch, ("keys", "generations", "sample_indices",
                                                                 "exit_depths")):
         if index >= 0:

@@ -110,6 +110,24 @@ def test_shared_prefix_workloads_with_and_without_caching(tmp_path, one_thread: 
         parse_args(["--exit", "shared_prefix_cached", "--prompt-len", "16", "--shared-prefix-len", "16"])
 
 
+def test_mixed_workloads_run_an_engine_with_mixed_batches(tmp_path, one_thread: None) -> None:
+    """`ouro_mixed` is `ouro` on an engine with mixed_batches: gated against the same torch-path
+    reference (8 equal), measured beside it in one grid."""
+    out = tmp_path / "bench.json"
+    argv = [*TOY_GRID, "--prompt-len", "40", "--prefill-chunk-size", "8", "--concurrency", "4", "--exit",
+            "ouro,ouro_mixed", "--no-warmup", "--json", str(out)]
+    assert main(argv) == 0
+    payload = json.loads(out.read_text())
+    assert [r["exit_mode"] for r in payload["results"]] == ["ouro", "ouro_mixed"]
+    assert {key: e["mixed_batches"] for key, e in payload["meta"]["engine"].items()} == {
+        "workers=0,exit=ouro": False, "workers=0,exit=ouro_mixed": True}
+    assert {key: g["equal"] for key, g in payload["meta"]["gate"].items()} == {
+        "workers=0,exit=ouro": 8, "workers=0,exit=ouro_mixed": 8}
+    for r in payload["results"]:
+        (run,) = r["runs"]
+        assert run["finished"] == 8 and 1.0 <= run["loops_per_generated_token"] < 4.0
+
+
 def test_trace_mix_and_bytes() -> None:
     weights = depth_weights(4, 2.5)
     assert weights == pytest.approx([0.25] * 4)

@@ -8,7 +8,8 @@
   reported), and no NaN appears. Exactness is the float32 tests' job.
 - The Ouro-1.4B shape in float32: torch eager, Triton eager and Triton graphs with 4·D passes per
   plan give the same tokens and exit depths (trace and ouro exits, ouro's decided in the worker;
-  the benchmark gate's rule).
+  the benchmark gate's rule); with graphs the prompts' chunks run from padded prefill graphs; so do
+  mixed batches (prompt chunks riding the decode passes), both layouts.
 - KV pools sized so that a 32-bit offset would wrap (a per-layer stride below 2^31 elements with
   layer × stride above it; a stride above 2^31), both layouts, trace and ouro exits: every run
   completes, and the float32 runs equal the torch path.
@@ -388,10 +389,27 @@ def _check_float32(model: str, layout: str, mode: str, state_init: str = "random
     dict(cuda_graphs=True, loops_per_plan=0),  # Triton graphs, 4·D passes per plan (ouro: exits in the worker)
 ])
 def test_ouro_1_4b_float32_triton_equals_torch(mode: str, variant: dict) -> None:
-    result, _ = _check_float32("synthetic-ouro-1.4b", "last_exited", mode, num_blocks=1024, **variant)
+    result, stats = _check_float32("synthetic-ouro-1.4b", "last_exited", mode, num_blocks=1024, **variant)
     assert result.passed, result.summary()
+    if variant["cuda_graphs"]:  # the prompts' chunks (16–296 tokens) run from padded prefill graphs
+        assert stats["prefill_replays"] > 0 and stats["prefill_eager"] == 0 and stats["prefill_padded_rows"] > 0
     reference = _torch_reference("synthetic-ouro-1.4b", "last_exited", mode)
     assert len({tuple(o.exit_depths) for o in reference.outputs}) > 1
+
+
+@pytest.mark.parametrize("mode", ["trace", "ouro"])
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+def test_ouro_1_4b_float32_mixed_batches_equal_torch(mode: str, layout: str) -> None:
+    """Mixed batches on the Triton path (graphs, fused layers, 4·D passes per plan, two plans in flight:
+    CUDA's default): prompts of 16–296 tokens in chunks of 48 within 96-token steps, so chunks ride the
+    passes of rows already decoding (decode and prefill kernels in one pass) and those of the first plan,
+    with no rows to ride, replay prefill graphs; the gate passes against the torch path's separate passes."""
+    result, stats = _check_float32("synthetic-ouro-1.4b", layout, mode, num_blocks=1024, cuda_graphs=True,
+                                   loops_per_plan=0, mixed_batches=True, prefill_chunk_size=48,
+                                   max_num_batched_tokens=96)
+    assert result.passed, result.summary()
+    assert stats is not None and stats["mixed_passes"] > 0 and stats["replays"] > 0, stats
+    assert stats["prefill_replays"] > 0, stats
 
 
 @pytest.mark.parametrize("mode", ["trace", "ouro"])

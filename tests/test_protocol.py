@@ -116,6 +116,7 @@ def prefill_batches(draw: Any) -> PrefillBatch:
         query_lens=pack(query_lens, I32),
         seeds=pack(draw(col(UINT64, n)), U64),
         token_ids=pack(draw(col(st.integers(0, I32_MAX), sum(query_lens))), I32),
+        rides_loop_passes=draw(st.booleans()),
     )
 
 
@@ -183,6 +184,7 @@ def decode_batches(draw: Any) -> DecodeBatch:
         min_loops=pack(min_loops, I32),
         max_loops=pack([m + draw(st.integers(0, 32)) for m in min_loops], I32),
         thresholds=pack(draw(col(ANY_FLOAT, n)), F64),
+        continues=pack(draw(col(st.integers(0, 1), n)), I32),
         exit_test=draw(st.sampled_from(ExitTest)),
         max_passes=draw(st.integers(1, 1024)),
         refill=draw(st.booleans()),
@@ -239,6 +241,8 @@ worker_configs = st.builds(
     cuda_graphs=st.booleans(),
     fused_layers=st.booleans(),
     cuda_graph_capture=st.sampled_from(["startup", "lazy"]),
+    cuda_graph_prefill=st.booleans(),
+    max_num_batched_tokens=st.integers(0, 2**20),
 )
 model_infos = st.builds(
     ModelInfo,
@@ -464,7 +468,7 @@ def _one_row_of_each_batch() -> list[Any]:
         DecodeBatch(keys=k, generations=g, positions=pack([3], I32), depths=pack([2], I32), exited=pack([0], I32),
                     exit_states=pack([0.25], F64), output_indices=pack([1], I32), seeds=pack([5], U64),
                     min_loops=pack([1], I32), max_loops=pack([4], I32), thresholds=pack([0.5], F64),
-                    exit_test=ExitTest.KL, max_passes=8),
+                    continues=pack([1], I32), exit_test=ExitTest.KL, max_passes=8),
     ]
 
 
@@ -914,9 +918,9 @@ def test_256_row_decode_plan_is_columnar() -> None:
         positions=pack(np.arange(rows) + 100_000, I32), depths=ints, exited=pack(np.zeros(rows), I32),
         exit_states=pack(np.full(rows, 0.5), F64), output_indices=ints, seeds=pack(np.arange(rows), U64),
         min_loops=pack(np.ones(rows), I32), max_loops=pack(np.full(rows, 4), I32),
-        thresholds=pack(np.full(rows, 0.7), F64), max_passes=16,
+        thresholds=pack(np.full(rows, 0.7), F64), continues=pack(np.zeros(rows), I32), max_passes=16,
     )
     codec = worker_side_codec()
     encoded = codec.encode(ExecutionPlan(step_id=1, batches=[batch]))
-    assert len(encoded) < rows * (8 + 8 + 4 * 3 + 8 + 4 + 8 + 4 * 2 + 8) + 200, len(encoded)
+    assert len(encoded) < rows * (8 + 8 + 4 * 3 + 8 + 4 + 8 + 4 * 2 + 8 + 4) + 200, len(encoded)
     assert codec.decode(encoded).batches[0] == batch

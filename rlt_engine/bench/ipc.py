@@ -5,17 +5,21 @@ For N rows (default 0, 1, 64, 256), the median (and p90) over many steps of:
     compute      Worker.execute(plan), called directly: no codec, no IPC
     workers=0    InprocExecutor.submit + collect: compute + encode/decode of the plan and the result
     workers=1    MultiprocExecutor.submit + collect: the same + a round trip to a worker process over ipc://
+    pipelined    the same two with two plans in flight (max_plans_in_flight = 2): each step submits
+                 plan i + 1, then collects plan i's result, so the worker computes while the
+                 result and the next plan cross (--pipelined, on by default)
     floor        a raw pyzmq PAIR ping-pong over ipc:// between two processes, the plan's bytes one
                  way and the result's bytes back (blocking recv, no decoding); the echo process
                  busy-waits the median compute time before answering, and that time is subtracted
     polled floor the same with both ends waiting in zmq.Poller, as the executor and the worker must
 
-The plan is one RecurrentBatch of N rows: loop 1 at position 0 of N open slots of toy-ouro
-(hidden 64, float32, CPU, one torch thread by default). The model is real but tiny, so
+The plan is one DecodeBatch of N rows, the decode hot path: one loop pass at position 0 of N open
+slots of toy-ouro (hidden 64, float32, CPU, one torch thread by default) and Ouro's exit test, which
+no row passes (min_loops = D), so each row reports its exit state. The model is real but tiny, so
 `workers=1 − workers=0` is the IPC's cost, to be read beside the floors. N = 0 is an empty plan
 (no slot ops, no batches): a runner that does no math at all, the fixed cost of one step.
 
-    rlt-bench ipc [--rows 0,1,64,256] [--steps 300] [--warmup 50] [--threads 1] [--json FILE]
+    rlt-bench ipc [--rows 0,1,64,256] [--steps 300] [--warmup 50] [--threads 1] [--[no-]pipelined] [--json FILE]
 """
 
 from __future__ import annotations
@@ -36,14 +40,15 @@ import msgspec
 import zmq
 
 from protocol import config_hash, engine_worker_codec, worker_side_codec
-from protocol.columns import I32, I64, U64, pack
+from protocol.columns import F64, I32, I64, U64, pack
 from protocol.messages import (
     PROTOCOL_VERSION,
     Admit,
     BlockAppends,
+    DecodeBatch,
     ExecutionPlan,
+    ExitTest,
     PrefillBatch,
-    RecurrentBatch,
     SlotKeys,
     StepResult,
     WorkerHello,
@@ -53,6 +58,7 @@ from rlt_engine.executor.inproc import InprocExecutor
 from rlt_engine.executor.multiproc import MultiprocExecutor
 
 MAX_ROWS = 256
+DEPTH = 4  # toy-ouro's D
 BLOCK = 25  # steps one way runs before the next takes its turn
 
 _ECHO_SERVER = """
@@ -105,13 +111,16 @@ def setup_plan(rows: int, num_planes: int, step_id: int = 1) -> ExecutionPlan:
 
 
 def step_plan(rows: int, step_id: int) -> ExecutionPlan:
-    """Loop 1 at position 0 of every open slot (0 rows: an empty plan)."""
+    """One decode pass at position 0 of every open slot, which does not exit (0 rows: an empty plan)."""
     if rows == 0:
         return ExecutionPlan(step_id=step_id)
-    keys = list(range(1, rows + 1))
-    return ExecutionPlan(step_id=step_id, batches=[RecurrentBatch(
-        keys=pack(keys, I64), generations=pack([1] * rows, I64), positions=pack([0] * rows, I32),
-        first_depths=pack([1] * rows, I32), num_loops=pack([1] * rows, I32),
+    ints = partial(pack, dtype=I32)
+    return ExecutionPlan(step_id=step_id, batches=[DecodeBatch(
+        keys=pack(range(1, rows + 1), I64), generations=pack([1] * rows, I64), positions=ints([0] * rows),
+        depths=ints([0] * rows), exited=ints([0] * rows), exit_states=pack([1.0] * rows, F64),
+        output_indices=ints([0] * rows), seeds=pack([0] * rows, U64), min_loops=ints([DEPTH] * rows),
+        max_loops=ints([DEPTH] * rows), thresholds=pack([1.0] * rows, F64), continues=ints([0] * rows),
+        exit_test=ExitTest.OURO, max_passes=1,
     )])
 
 
@@ -137,6 +146,29 @@ class DirectWorker:
 
     def shutdown(self) -> None:
         self._worker.close()
+
+
+class Pipelined:
+    """An executor's steps with two plans in flight: submit plan i + 1, then collect plan i's result."""
+
+    def __init__(self, executor) -> None:
+        self._executor = executor
+        self._in_flight = 0
+
+    def step(self, plan: ExecutionPlan) -> None:
+        self._executor.submit(0, plan)
+        self._in_flight += 1
+        while self._in_flight > 1:
+            self._collect()
+
+    def drain(self) -> None:
+        while self._in_flight:
+            self._collect()
+
+    def _collect(self) -> None:
+        for _, result in self._executor.collect(timeout=None):
+            assert not result.error, result.error
+            self._in_flight -= 1
 
 
 def _one(executor, plan: ExecutionPlan) -> StepResult:
@@ -222,7 +254,7 @@ def _median_compute(direct: DirectWorker, rows: int, samples: int = 30) -> float
     return statistics.median(times)
 
 
-def run(rows_list: Sequence[int], steps: int, warmup: int, threads: int = 1) -> list[dict]:
+def run(rows_list: Sequence[int], steps: int, warmup: int, threads: int = 1, pipelined: bool = True) -> list[dict]:
     """Every measurement for every row count; one dict per row count.
 
     The four ways take turns in blocks of BLOCK steps, so a load spike from another process
@@ -246,6 +278,8 @@ def run(rows_list: Sequence[int], steps: int, warmup: int, threads: int = 1) -> 
             floors = {"floor": PingPong(plan_bytes, result_bytes, work_s=work_s),
                       "floor_poll": PingPong(plan_bytes, result_bytes, polled=True, work_s=work_s)}
             runners = {name: partial(_one, executor) for name, executor in executors.items()}
+            pipes = {f"{name}_pipelined": Pipelined(executors[name]) for name in ("workers0", "workers1") if pipelined}
+            runners |= {name: pipe.step for name, pipe in pipes.items()}
             runners |= {name: floor.step for name, floor in floors.items()}
             times: dict[str, list[float]] = {name: [] for name in runners}
             for block in range(0, warmup + steps, BLOCK):
@@ -257,6 +291,8 @@ def run(rows_list: Sequence[int], steps: int, warmup: int, threads: int = 1) -> 
                         elapsed = time.perf_counter() - start
                         if i >= warmup:
                             times[name].append(elapsed)
+                    if name in pipes:
+                        pipes[name].drain()  # the next way starts from an idle worker
             for floor in floors.values():
                 floor.close()
             for executor in executors.values():
@@ -276,7 +312,8 @@ def run(rows_list: Sequence[int], steps: int, warmup: int, threads: int = 1) -> 
 COLUMNS = ("compute", "workers0", "workers1")
 HEADER = (
     "| rows | plan B | result B | compute µs | workers=0 µs | workers=1 µs | w1 − w0 µs | floor − work µs | "
-    "polled floor − work µs |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "polled floor − work µs | pipelined w0 µs | pipelined w1 µs | pipelined w1 − w0 µs |"
+    "\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
@@ -285,6 +322,11 @@ def _row_text(e: dict) -> str:
     cells = [e["rows"], e["plan_bytes"], e["result_bytes"], *(f"{med[k]:.0f}" for k in COLUMNS)]
     cells += [f"{med['workers1'] - med['workers0']:.0f}", f"{med['floor'] - e['floor_work_us']:.0f}",
               f"{med['floor_poll'] - e['floor_work_us']:.0f}"]
+    if "workers0_pipelined" in e:
+        w0, w1 = e["workers0_pipelined"]["median_us"], e["workers1_pipelined"]["median_us"]
+        cells += [f"{w0:.0f}", f"{w1:.0f}", f"{w1 - w0:.0f}"]
+    else:
+        cells += ["—"] * 3
     return "| " + " | ".join(map(str, cells)) + " |"
 
 
@@ -297,6 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads, in-process and in the worker (1 keeps OpenMP barriers of a shared "
                              "machine out of the figures)")
+    parser.add_argument("--pipelined", action=argparse.BooleanOptionalAction, default=True,
+                        help="also measure both executors with two plans in flight")
     parser.add_argument("--json", default=None, help="write every figure (median and p90) here")
     args = parser.parse_args(argv)
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -304,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"rows must be in 0 … {MAX_ROWS}")
     print(f"median of {args.steps} steps after {args.warmup} warm-up, toy-ouro float32, {args.threads} torch "
           f"thread(s), {len(os.sched_getaffinity(0))} CPU cores\n{HEADER}", flush=True)
-    results = run(rows_list, args.steps, args.warmup, args.threads)
+    results = run(rows_list, args.steps, args.warmup, args.threads, args.pipelined)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

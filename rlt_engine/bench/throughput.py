@@ -19,6 +19,10 @@ c requests in flight until 2·c (`--requests-factor`) have been submitted, each 
                  every prompt starts with the same `--shared-prefix-len` tokens (the rest of
                  `--prompt-len` is its own), exit fixed, with prefix caching on or off; each run
                  starts with a cold cache and reports its hit ratio (not in the default list)
+    exit fixed_mixed, trace_mixed, ouro_mixed, kl_mixed, latent_diff_mixed
+                 the workload without the suffix on an engine with `mixed_batches` (prompt chunks
+                 ride the decode rows' loop passes), so one grid compares ITL p50/p99 with mixing
+                 on and off (not in the default list)
 
 Before an engine is timed, the configuration is gated (`--gate`, see rlt_engine/bench/gate.py):
 the same engine configuration built in float32 must give the torch path's tokens and exit depths
@@ -40,6 +44,7 @@ as partial; medians use the complete runs when there is one), and the whole grid
     rlt-bench throughput --model toy-ouro --device cpu --prompt-len 16 --output-len 8 --concurrency 1,4
     rlt-bench throughput --exit shared_prefix_cached,shared_prefix_uncached --prompt-len 1024 \
         --shared-prefix-len 960 --output-len 32 --concurrency 64 --requests-factor 1   # issue 21's workload
+    rlt-bench throughput --exit trace,trace_mixed,ouro,ouro_mixed --concurrency 32 --workers 0   # mixing off / on
 """
 
 from __future__ import annotations
@@ -65,8 +70,10 @@ from rlt_engine.bench import gate
 from rlt_engine.bench.report import log, pyplot
 
 HBM_TBPS = 4.3  # H200 device-to-device copy rate measured here (KINDS.md), bytes read + written
-WORKLOADS = ("fixed", "trace", "ouro", "kl", "latent_diff", "prefill", "shared_prefix_cached",
-             "shared_prefix_uncached")
+DECODE_WORKLOADS = ("fixed", "trace", "ouro", "kl", "latent_diff")
+MIXED = "_mixed"  # a decode workload's name + this: the same with mixed_batches on (ouro_mixed, …)
+WORKLOADS = (*DECODE_WORKLOADS, "prefill", "shared_prefix_cached", "shared_prefix_uncached",
+             *(mode + MIXED for mode in DECODE_WORKLOADS))
 SHARED_PREFIX = ("shared_prefix_cached", "shared_prefix_uncached")  # exit fixed, prefix caching on / off
 OURO_THRESHOLD = 0.63  # see --ouro-threshold: 0.6 gave 2.36 and 0.7 2.80 loops (docs/benchmarks.md)
 # synthetic-huginn-3.5b: about 15 and 14 loops per position in the CPU check of
@@ -443,8 +450,9 @@ class Grid:
     def _engine_options(self, workers: int, mode: str) -> dict[str, Any]:
         a = self.args
         options = dict(self._options(_engine_exit(mode)), workers=workers, attention_backend=a.attention_backend,
-                       loops_per_plan=a.loops_per_plan, enable_prefix_caching=mode != "shared_prefix_uncached")
-        for flag in ("cuda_graphs", "fused_layers"):  # None: the engine's default
+                       loops_per_plan=a.loops_per_plan, enable_prefix_caching=mode != "shared_prefix_uncached",
+                       max_plans_in_flight=a.max_plans_in_flight, mixed_batches=mode.endswith(MIXED))
+        for flag in ("cuda_graphs", "cuda_graph_prefill", "fused_layers"):  # None: the engine's default
             if getattr(a, flag) is not None:
                 options[flag] = getattr(a, flag)
         return options
@@ -455,6 +463,7 @@ class Grid:
             return Workload(1, "fixed", self.depth)
         if mode in SHARED_PREFIX:
             return Workload(output_len, "fixed", self.depth, shared_prefix_len=a.shared_prefix_len)
+        mode = _engine_exit(mode)
         thresholds = {"ouro": a.ouro_threshold, "kl": a.kl_threshold, "latent_diff": a.latent_threshold}
         return Workload(output_len, mode, self.depth, a.trace_mean, thresholds.get(mode))
 
@@ -559,6 +568,7 @@ class Grid:
                 f"{kv.num_planes} planes, D = {self.depth}")
             self.meta.setdefault("engine", {})[key] = {
                 "startup_s": startup_s, "num_blocks": kv.num_blocks, "num_planes": kv.num_planes, "depth": self.depth,
+                "mixed_batches": engine.config.mixed_batches,
             }
             reference = self.references.get(_engine_exit(exit_mode))
             if reference is not None and a.dtype != self.gate_dtype:
@@ -618,7 +628,9 @@ class Grid:
         graphs_after = _graph_stats(engine)
         if graphs_after is not None:
             config.graphs = {k: graphs_after[k] - (graphs_before or {}).get(k, 0)
-                             for k in ("replays", "eager_passes", "captures", "capture_s", "rows", "padded_rows")}
+                             for k in ("replays", "eager_passes", "mixed_passes", "captures", "capture_s", "rows",
+                                       "padded_rows", "prefill_replays", "prefill_eager", "prefill_rows",
+                                       "prefill_padded_rows")}
             log(f"   c={c} graph counters: {config.graphs}")
         kv = engine.kv_managers[0]
         config.memory["kv_pool_gib"] = _kv_pool_bytes(engine.model_info, kv.num_blocks, a.block_size,
@@ -642,7 +654,7 @@ class Grid:
         itemsize = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}[dtype]
         tb = token_bytes(cfg, itemsize)
         loops = config.median.get("loops_per_generated_token") or 0.0
-        codas = codas_per_token(config.exit_mode, loops)
+        codas = codas_per_token(_engine_exit(config.exit_mode), loops)
         context = a.prompt_len + a.output_len / 2  # mean context over the decode
         per_token = tb.per_token(loops, context, codas)
         floor_s = per_token / (a.hbm_tbps * 1e12)
@@ -676,8 +688,9 @@ class Grid:
 
 
 def _engine_exit(mode: str) -> str:
-    """The engine's exit_mode for a workload (prefill: one token per request, fixed; shared prefix: fixed)."""
-    return "fixed" if mode == "prefill" or mode in SHARED_PREFIX else mode
+    """The engine's exit_mode for a workload (prefill: one token per request, fixed; shared prefix: fixed;
+    a mixed one: its base workload's)."""
+    return "fixed" if mode == "prefill" or mode in SHARED_PREFIX else mode.removesuffix(MIXED)
 
 
 def _hit_ratio(before: Any, after: Any) -> float | None:
@@ -873,9 +886,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="decode loop passes from CUDA graphs (default: the engine's, on for CUDA + Triton)")
+    p.add_argument("--cuda-graph-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="PREFILL chunk passes from CUDA graphs too (default: the engine's, on with --cuda-graphs)")
     p.add_argument("--fused-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="Ouro's layers through the fused Triton kernels (default: the engine's, on for CUDA + Triton)")
     p.add_argument("--loops-per-plan", type=int, default=0, help="0 = the engine's default (4·D on CUDA, 1 on CPU)")
+    p.add_argument("--max-plans-in-flight", type=int, default=0, choices=(0, 1, 2),
+                   help="2: pipelined plans, 1: synchronous, 0 = the engine's default (2 on CUDA, 1 on CPU)")
     p.add_argument("--hbm-tbps", type=float, default=HBM_TBPS, help="HBM bandwidth of the floor, TB/s")
     p.add_argument("--json", default=None, help="write the raw numbers here (rewritten after every configuration)")
     p.add_argument("--resume", action="store_true",
@@ -926,7 +943,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ouro_threshold": args.ouro_threshold, "kl_threshold": args.kl_threshold,
         "latent_threshold": args.latent_threshold, "gate_dtype": grid.gate_dtype,
         "gate_output_len": args.gate_output_len,
-        "cuda_graphs": args.cuda_graphs, "fused_layers": args.fused_layers, "loops_per_plan": args.loops_per_plan,
+        "cuda_graphs": args.cuda_graphs, "cuda_graph_prefill": args.cuda_graph_prefill,
+        "fused_layers": args.fused_layers, "loops_per_plan": args.loops_per_plan,
+        "max_plans_in_flight": EngineConfig(device=args.device, max_plans_in_flight=args.max_plans_in_flight)
+        .resolved().max_plans_in_flight,
         "sampling": "greedy, ignore_eos",
     }
     # A resumed grid keeps every invocation's conditions: "conditions" holds only the last one's.
@@ -945,7 +965,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot:
         plot(grid.results, args.plot, _title(grid.meta))
     print(table(grid.results))
+    for line in worker_ratios(grid.results):
+        log(line)
     return 0
+
+
+def worker_ratios(results: Sequence[ConfigResult]) -> list[str]:
+    """workers=1 / workers=0 output tokens/s of every (exit, concurrency) measured with both."""
+    by_key = {(r.workers, r.exit_mode, r.concurrency): r.median["tokens_per_s"] for r in results if r.runs}
+    return [f"workers=1 / workers=0, exit={exit_mode} c={c}: {tps / by_key[(0, exit_mode, c)]:.3f} "
+            f"({tps:.1f} / {by_key[(0, exit_mode, c)]:.1f} tok/s)"
+            for (workers, exit_mode, c), tps in sorted(by_key.items()) if workers == 1 and (0, exit_mode, c) in by_key]
 
 
 def _title(meta: dict[str, Any]) -> str:

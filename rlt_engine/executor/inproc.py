@@ -1,14 +1,21 @@
 """InprocExecutor (`workers=0`): the Worker runs in the engine process.
 
 Plans and results still pass through the protocol codecs, so this path exercises the same
-bytes as the multi-process one and measures what the process boundary itself costs.
+bytes as the multi-process one and measures what the process boundary itself costs. `submit`
+queues the plan's work (on the CPU: runs it); `collect` hands back the results in plan order,
+waiting for the oldest one's copy if none has landed, so pipelined plans overlap here too.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from protocol import config_hash, engine_worker_codec, worker_side_codec
 from protocol.messages import PROTOCOL_VERSION, ExecutionPlan, StepResult, WorkerConfig, WorkerHello, WorkerReady
 from rlt_engine.executor.base import Executor, WorkerLost
+
+if TYPE_CHECKING:
+    from rlt_worker.step_results import PendingResult
 
 
 class InprocExecutor(Executor):
@@ -26,6 +33,7 @@ class InprocExecutor(Executor):
         self._worker_codec = worker_side_codec()  # the worker's end: decodes plans
         self._engine_codec = engine_worker_codec()  # the engine's end: decodes results
         self._done: list[tuple[int, StepResult | WorkerReady]] = []
+        self._pending: list[PendingResult] = []  # plans submitted, in order, whose results are not collected
 
     def _cross(self, message: WorkerReady | StepResult) -> WorkerReady | StepResult:
         return self._engine_codec.decode(self._worker_codec.encode(message))
@@ -42,15 +50,21 @@ class InprocExecutor(Executor):
         if self._worker is not None:
             self._worker.close()
         self._worker = Worker(self._hello)
+        self._pending = []
         self._done.append((0, self.start()[0]))
 
     def submit(self, worker: int, plan: ExecutionPlan) -> None:
         assert self._worker is not None and worker == 0
         received = self._worker_codec.decode(self._engine_codec.encode(plan))
-        self._done.append((0, self._cross(self._worker.execute(received))))
+        self._pending.append(self._worker.submit(received))
 
     def collect(self, timeout: float | None = None) -> list[tuple[int, StepResult | WorkerLost | WorkerReady]]:
-        done, self._done = self._done, []
+        """Every result that has landed, in plan order (the oldest waited for if none has)."""
+        landed = 0
+        while landed < len(self._pending) and (landed == 0 or self._pending[landed].is_ready()):
+            landed += 1
+        results, self._pending = self._pending[:landed], self._pending[landed:]
+        done, self._done = self._done + [(0, self._cross(r.result())) for r in results], []
         return done
 
     def shutdown(self) -> None:
