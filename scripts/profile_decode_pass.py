@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replays", type=int, default=200)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for the bytes floor (H200: 4.8 TB/s)")
-    p.add_argument("--top", type=int, default=0, help="print the N most frequent kernel names per path")
+    p.add_argument("--top", type=int, default=0, help="print the N kernel names with the most GPU time per path")
     p.add_argument("--json", default=None, help="write the results here")
     return p.parse_args(argv)
 
@@ -144,8 +144,8 @@ def time_replays(graph, replays: int, cuda: bool) -> list[float]:
     return [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
 
 
-def count_kernels(fn, cuda: bool) -> tuple[int | None, dict[str, int]]:
-    """CUDA kernels one call of fn launches (torch.profiler), and their names' counts."""
+def count_kernels(fn, cuda: bool) -> tuple[int | None, dict[str, list[float]]]:
+    """CUDA kernels one call of fn launches (torch.profiler): per name, [count, summed GPU µs]."""
     if not cuda:
         return None, {}
     from torch.profiler import ProfilerActivity, profile
@@ -154,14 +154,16 @@ def count_kernels(fn, cuda: bool) -> tuple[int | None, dict[str, int]]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    names: dict[str, int] = {}
+    names: dict[str, list[float]] = {}
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
         if event.name.startswith(("Memcpy", "Memset", "cudaMemcpy", "cudaMemset")):
             continue
-        names[event.name] = names.get(event.name, 0) + 1
-    return sum(names.values()), names
+        entry = names.setdefault(event.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += event.device_time_total
+    return int(sum(c for c, _ in names.values())), names
 
 
 def pass_bytes(setup: Setup, rows: int, context: int) -> int:
@@ -236,7 +238,9 @@ def main(args: argparse.Namespace) -> dict:
                     "kernels": kernels, "kernels_per_layer": None if kernels is None else round(kernels / layers, 2),
                     "gpu_ms_median": statistics.median(times), "gpu_ms_p10": q[0], "gpu_ms_p90": q[-1],
                     "replays": len(times), "bytes_floor_ms": floor_ms,
-                    "top_kernels": sorted(names.items(), key=lambda kv: -kv[1])[: args.top] if args.top else [],
+                    "kernel_us_sum": round(sum(us for _, us in names.values()), 1),
+                    "top_kernels": sorted(([n, c, round(us, 1)] for n, (c, us) in names.items()),
+                                          key=lambda row: -row[2])[: args.top] if args.top else [],
                 })
             if cuda or setup.runners["fused"]._graphs.coda is not None:
                 report["coda"].extend(profile_coda(setup, rows, args.replays, cuda))
@@ -257,8 +261,10 @@ def print_report(report: dict, hbm_tbps: float) -> None:
         print(f"{p['path']:6} {p['dtype']:9} {p['rows']:>4} {p['bucket']:>7} {kernels:>8} {per_layer:>7} "
               f"{p['gpu_ms_median']:>10.3f} {p['gpu_ms_p10']:>7.3f} {p['gpu_ms_p90']:>7.3f} "
               f"{p['bytes_floor_ms']:>15.3f}")
-        for name, count in p["top_kernels"]:
-            print(f"        {count:5d}  {name[:110]}")
+        if p.get("kernel_us_sum") is not None and p["kernels"]:
+            print(f"        eager kernels' own GPU time: {p['kernel_us_sum'] / 1e3:.3f} ms")
+        for name, count, us in p["top_kernels"]:
+            print(f"        {count:5d} {us:9.1f} µs  {name[:100]}")
     print(f"(bytes floor: loop weights + context K/V at {hbm_tbps} TB/s)")
     for c in report["coda"]:
         kernels = "-" if c["kernels"] is None else c["kernels"]
