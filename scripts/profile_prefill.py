@@ -26,6 +26,7 @@ then, per chunk size, the ratios graphs on / off of TTFT and prompt tok/s.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -66,6 +67,12 @@ def self_times(prof: profile, device: bool) -> dict[str, tuple[float, int]]:
 def ranked(times: dict[str, tuple[float, int]], top: int) -> list[dict]:
     order = sorted(times.items(), key=lambda kv: -kv[1][0])[:top]
     return [{"name": name, "s": s, "calls": c} for name, (s, c) in order]
+
+
+def free_device(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
 
 
 TARGET_TTFT_S = 0.050  # issue 17, one prompt
@@ -126,6 +133,7 @@ def main(args: argparse.Namespace) -> list[dict]:
     for chunk in args.chunk_sizes.split(","):
         for graphs in settings:  # each printed (and the JSON rewritten) as soon as it is measured
             reports.append(profile_config(args, int(chunk), graphs))
+            free_device(args.device)  # the next engine sizes its KV pool from the free memory
             print_report(reports[-1], args.prompt_len)
             sys.stdout.flush()
             if args.json:
