@@ -128,6 +128,20 @@ def test_mixed_workloads_run_an_engine_with_mixed_batches(tmp_path, one_thread: 
         assert run["finished"] == 8 and 1.0 <= run["loops_per_generated_token"] < 4.0
 
 
+def test_kv_layout_reaches_the_engines_and_the_gate(tmp_path, one_thread: None) -> None:
+    """`--kv-layout shared` builds one-plane engines, gated against a SHARED torch-path reference."""
+    out = tmp_path / "bench.json"
+    argv = [*TOY_GRID, "--concurrency", "2", "--exit", "prefill,trace", "--kv-layout", "shared", "--no-warmup",
+            "--json", str(out)]
+    assert main(argv) == 0
+    payload = json.loads(out.read_text())
+    assert payload["meta"]["conditions"]["kv_layout"] == "shared"
+    assert {e["num_planes"] for e in payload["meta"]["engine"].values()} == {1}
+    assert {key: g["equal"] for key, g in payload["meta"]["gate"].items()} == {
+        "workers=0,exit=prefill": 8, "workers=0,exit=trace": 8}
+    assert [r["runs"][0]["finished"] for r in payload["results"]] == [4, 4]
+
+
 def test_trace_mix_and_bytes() -> None:
     weights = depth_weights(4, 2.5)
     assert weights == pytest.approx([0.25] * 4)

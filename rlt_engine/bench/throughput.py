@@ -444,7 +444,7 @@ class Grid:
             device=a.device, dtype=a.dtype, exit_mode=exit_mode, max_num_seqs=max(a.concurrency),
             max_num_batched_tokens=a.max_num_batched_tokens or max(2048, max(a.concurrency)),
             prefill_chunk_size=a.prefill_chunk_size, num_blocks=a.num_blocks, block_size=a.block_size,
-            gpu_memory_utilization=a.gpu_memory_utilization,
+            gpu_memory_utilization=a.gpu_memory_utilization, kv_layout=a.kv_layout,
         )
 
     def _engine_options(self, workers: int, mode: str) -> dict[str, Any]:
@@ -880,6 +880,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: auto on cuda, 512 on cpu)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-layout", default="last_exited", choices=("last_exited", "shared"),
+                   help="shared: one K/V plane, prefill serial in positions (SPEC §4); the gate's reference too")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--prefill-chunk-size", type=int, default=512)
     p.add_argument("--attention-backend", default=None)
@@ -938,7 +940,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model": args.model, "dtype": args.dtype, "prompt_len": args.prompt_len, "output_len": args.output_len,
         "requests_factor": args.requests_factor, "trace_mean": args.trace_mean, "repeats": args.repeats,
         "max_seconds": args.max_seconds, "total_seconds": args.total_seconds, "block_size": args.block_size,
-        "prefill_chunk_size": args.prefill_chunk_size, "attention_backend": resolved.attention_backend,
+        "kv_layout": args.kv_layout, "prefill_chunk_size": args.prefill_chunk_size, "attention_backend": resolved.attention_backend,
         "shared_prefix_len": args.shared_prefix_len,
         "ouro_threshold": args.ouro_threshold, "kl_threshold": args.kl_threshold,
         "latent_threshold": args.latent_threshold, "gate_dtype": grid.gate_dtype,
