@@ -142,6 +142,24 @@ def test_kv_layout_reaches_the_engines_and_the_gate(tmp_path, one_thread: None) 
     assert [r["runs"][0]["finished"] for r in payload["results"]] == [4, 4]
 
 
+def test_replay_runs_trace_over_the_gate_workloads_depths(tmp_path, one_thread: None, capsys) -> None:
+    """`ouro_replay` is trace over the exit depths ouro gave each request: the same loops per token
+    (so the throughput ratio is the gate's cost alone); without ouro before it, it fails and says why."""
+    out = tmp_path / "bench.json"
+    argv = [*TOY_GRID, "--concurrency", "2", "--exit", "ouro,ouro_replay", "--no-warmup", "--json", str(out)]
+    assert main(argv) == 0
+    ouro, replay = json.loads(out.read_text())["results"]
+    assert replay["exit_mode"] == "ouro_replay" and replay["error"] is None
+    for key in ("loops_per_token", "loops_per_generated_token"):
+        assert replay["runs"][0][key] == ouro["runs"][0][key]
+    assert 1.0 < ouro["runs"][0]["loops_per_generated_token"] < 4.0  # the gate chose: not trivially D
+    assert "ouro / ouro_replay (trace over ouro's exit depths), workers=0 c=2:" in capsys.readouterr().err
+    alone = tmp_path / "alone.json"
+    assert main([*TOY_GRID, "--concurrency", "2", "--exit", "ouro_replay", "--no-warmup", "--json", str(alone)]) == 0
+    (result,) = json.loads(alone.read_text())["results"]
+    assert result["runs"] == [] and "list ouro before ouro_replay" in result["error"]
+
+
 def test_trace_mix_and_bytes() -> None:
     weights = depth_weights(4, 2.5)
     assert weights == pytest.approx([0.25] * 4)

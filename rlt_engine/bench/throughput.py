@@ -23,6 +23,11 @@ c requests in flight until 2·c (`--requests-factor`) have been submitted, each 
                  the workload without the suffix on an engine with `mixed_batches` (prompt chunks
                  ride the decode rows' loop passes), so one grid compares ITL p50/p99 with mixing
                  on and off (not in the default list)
+    exit ouro_replay, kl_replay, latent_diff_replay
+                 exit trace, each request replaying the exit depths that the workload without the
+                 suffix gave it earlier in the same invocation (same workers, c and prompts): the
+                 gate's decisions' cost is the ratio of the two, printed at the end (list the gate
+                 workload first; not in the default list)
 
 Before an engine is timed, the configuration is gated (`--gate`, see rlt_engine/bench/gate.py):
 the same engine configuration built in float32 must give the torch path's tokens and exit depths
@@ -72,8 +77,12 @@ from rlt_engine.bench.report import log, pyplot
 HBM_TBPS = 4.3  # H200 device-to-device copy rate measured here (KINDS.md), bytes read + written
 DECODE_WORKLOADS = ("fixed", "trace", "ouro", "kl", "latent_diff")
 MIXED = "_mixed"  # a decode workload's name + this: the same with mixed_batches on (ouro_mixed, …)
+GATE_WORKLOADS = ("ouro", "kl", "latent_diff")  # exits decided by a signal of the model
+# A gate workload's name + this: trace, each request replaying the exit depths the gate workload gave
+# it in the same invocation (same workers, concurrency and prompts): what the gate's decisions cost.
+REPLAY = "_replay"
 WORKLOADS = (*DECODE_WORKLOADS, "prefill", "shared_prefix_cached", "shared_prefix_uncached",
-             *(mode + MIXED for mode in DECODE_WORKLOADS))
+             *(mode + MIXED for mode in DECODE_WORKLOADS), *(mode + REPLAY for mode in GATE_WORKLOADS))
 SHARED_PREFIX = ("shared_prefix_cached", "shared_prefix_uncached")  # exit fixed, prefix caching on / off
 OURO_THRESHOLD = 0.63  # see --ouro-threshold: 0.6 gave 2.36 and 0.7 2.80 loops (docs/benchmarks.md)
 # synthetic-huginn-3.5b: about 15 and 14 loops per position in the CPU check of
@@ -134,6 +143,7 @@ class Workload:
     trace_mean: float | None = None  # None: uniform over 1 … D
     threshold: float | None = None  # every request's exit_threshold (ouro, kl, latent_diff)
     shared_prefix_len: int = 0  # leading prompt tokens every request has in common
+    replayed_depths: Sequence[Sequence[int]] | None = None  # trace: request i's exit depths (else the seeded mix)
 
 
 def make_jobs(n: int, prompt_lens: int | Sequence[int], vocab: int, work: Workload, seed: int) -> list[Job]:
@@ -155,6 +165,8 @@ def make_jobs(n: int, prompt_lens: int | Sequence[int], vocab: int, work: Worklo
         if weights is not None:
             tail = rng.choices(range(1, work.depth + 1), weights, k=work.output_len - 1)
             options["exit_depths"] = [work.depth, *tail]
+            if work.replayed_depths is not None:  # the same draws above keep the prompts those of the gate run
+                options["exit_depths"] = list(work.replayed_depths[i])
         if work.threshold is not None:
             options["exit_threshold"] = work.threshold
         jobs.append(Job(prompt, SamplingParams(**options)))
@@ -257,6 +269,7 @@ class RunResult:
     partial: bool = False
     ttft_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
+    exit_depths: dict[int, list[int]] = field(default_factory=dict)  # job → every delivered token's depth
 
     @property
     def tokens_per_s(self) -> float:
@@ -292,6 +305,7 @@ def _percentile(values: Sequence[float], q: float) -> float | None:
 class _Live:
     added: float
     prompt_len: int
+    job: int
     last: float | None = None
     tokens: int = 0
     loops: int = 0
@@ -312,7 +326,7 @@ def closed_loop(engine: Any, jobs: Sequence[Job], concurrency: int, deadline: fl
         while len(live) < concurrency and next_job < len(jobs):
             request_id = f"bench-{run}-{next_job}"
             job = jobs[next_job]
-            live[request_id] = _Live(added=time.perf_counter(), prompt_len=len(job.prompt))
+            live[request_id] = _Live(added=time.perf_counter(), prompt_len=len(job.prompt), job=next_job)
             engine.add_request(request_id, job.prompt, job.params)
             next_job += 1
             result.requests += 1
@@ -337,6 +351,7 @@ def closed_loop(engine: Any, jobs: Sequence[Job], concurrency: int, deadline: fl
                     first_new = 0
                     result.itl_s.extend([(now - state.last) / (n - state.tokens)] * (n - state.tokens))
                 depths = out.new_exit_depths
+                result.exit_depths.setdefault(state.job, []).extend(depths)
                 result.output_tokens += n - state.tokens
                 result.loops += sum(depths)
                 result.generated_tokens += len(depths) - first_new
@@ -407,6 +422,8 @@ class Grid:
         self.meta: dict[str, Any] = {}
         self.deadline = time.perf_counter() + args.total_seconds
         self.references: dict[str, gate.Reference] = {}  # exit mode → the torch path's gate outputs
+        # (workers, gate workload, c) → each request's exit depths in its first whole run (for *_replay).
+        self.gate_depths: dict[tuple[int, str, int], list[list[int]]] = {}
         # D: the config's default, and the engine's once the first one (the gate's reference) is up.
         self.depth = model_depth(model_config_dict(args.model))
 
@@ -610,10 +627,12 @@ class Grid:
                 if repeat and time.perf_counter() + config.runs[-1]["elapsed_s"] > deadline:
                     break
                 jobs = make_jobs(a.requests_factor * c, a.prompt_len, engine.model_info.vocab_size,
-                                 self.workload(exit_mode, a.output_len), a.seed + c)
+                                 self._timed_workload(workers, exit_mode, c), a.seed + c)
                 engine.reset_prefix_cache()  # every run starts cold: hits come from its own requests only
                 before = engine.health()
                 run = closed_loop(engine, jobs, c, deadline)
+                if exit_mode in GATE_WORKLOADS and not repeat and run.finished == len(jobs):
+                    self.gate_depths[(workers, exit_mode, c)] = [run.exit_depths[i] for i in range(len(jobs))]
                 config.runs.append(dict(run.summary(), prefix_cache_hit_ratio=_hit_ratio(before, engine.health())))
                 s = config.runs[-1]
                 log(f"   c={c:<4} run {repeat + 1}: {s['tokens_per_s']:9.1f} tok/s  "
@@ -644,6 +663,19 @@ class Grid:
         if c == 1:
             config.floor = self._floor(config, engine.config.dtype)
         return config
+
+    def _timed_workload(self, workers: int, mode: str, c: int) -> Workload:
+        """The workload of a timed run; a *_replay one takes its gate workload's recorded depths."""
+        work = self.workload(mode, self.args.output_len)
+        if not mode.endswith(REPLAY):
+            return work
+        base = mode.removesuffix(REPLAY)
+        depths = self.gate_depths.get((workers, base, c))
+        if depths is None:
+            raise ReplayError(f"{mode} replays the exit depths {base} gave at workers={workers} c={c}, and this "
+                              f"invocation has not measured {base} there in full: list {base} before {mode} in "
+                              "--exit (a resumed grid keeps no depths)")
+        return dataclasses.replace(work, replayed_depths=depths)
 
     def _floor(self, config: ConfigResult, dtype: str) -> dict[str, Any] | None:
         a = self.args
@@ -687,9 +719,15 @@ class Grid:
         os.replace(tmp, self.args.json)
 
 
+class ReplayError(RuntimeError):
+    """A *_replay workload without its gate workload's depths."""
+
+
 def _engine_exit(mode: str) -> str:
     """The engine's exit_mode for a workload (prefill: one token per request, fixed; shared prefix: fixed;
-    a mixed one: its base workload's)."""
+    a mixed one: its base workload's; a replay: trace)."""
+    if mode.endswith(REPLAY):
+        return "trace"
     return "fixed" if mode == "prefill" or mode in SHARED_PREFIX else mode.removesuffix(MIXED)
 
 
@@ -968,9 +1006,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot:
         plot(grid.results, args.plot, _title(grid.meta))
     print(table(grid.results))
-    for line in worker_ratios(grid.results):
+    for line in worker_ratios(grid.results) + replay_ratios(grid.results):
         log(line)
     return 0
+
+
+def replay_ratios(results: Sequence[ConfigResult]) -> list[str]:
+    """A gate workload's output tokens/s ÷ its *_replay's (trace over the same exit depths): what deciding costs."""
+    by_key = {(r.workers, r.exit_mode, r.concurrency): r.median["tokens_per_s"] for r in results if r.runs}
+    lines = []
+    for (workers, mode, c), replay_tps in by_key.items():
+        base = mode.removesuffix(REPLAY)
+        if mode.endswith(REPLAY) and (workers, base, c) in by_key:
+            tps = by_key[(workers, base, c)]
+            lines.append(f"{base} / {mode} (trace over {base}'s exit depths), workers={workers} c={c}: "
+                         f"{tps / replay_tps:.3f} ({tps:.1f} / {replay_tps:.1f} tok/s)")
+    return lines
 
 
 def worker_ratios(results: Sequence[ConfigResult]) -> list[str]:
