@@ -33,6 +33,30 @@ class HandshakeError(RuntimeError):
     """The engine and the worker disagree on protocol version or configuration."""
 
 
+class KVPoolSizeError(RuntimeError):
+    """The device's free memory leaves no room for a KV pool of even one block."""
+
+
+ACTIVATION_RESERVE_BYTES = 2 * 1024**3  # kept out of the KV pool: activations and the runner's per-slot state
+
+
+def kv_pool_blocks(free: int, total: int, utilization: float, block_bytes: int, device: str) -> int:
+    """KV blocks that fit in `utilization` of the device once what is already used and the activation
+    reserve are taken out."""
+    used = total - free
+    budget = total * utilization - used - ACTIVATION_RESERVE_BYTES
+    blocks = int(budget // block_bytes)
+    if blocks < 1:
+        gib = 1024**3
+        raise KVPoolSizeError(
+            f"gpu_memory_utilization {utilization} of {total / gib:.1f} GiB on {device} leaves "
+            f"{budget / gib:.2f} GiB for the KV pool once the {used / gib:.1f} GiB already in use (by this "
+            f"process or others) and {ACTIVATION_RESERVE_BYTES / gib:.0f} GiB for activations are taken out: "
+            f"not one block of {block_bytes / 2**20:.1f} MiB. Free the device, raise gpu_memory_utilization, "
+            "or pass num_blocks.")
+    return blocks
+
+
 class Worker:
     """Builds the model, the KV pool and the runner from a WorkerHello; executes plans."""
 
@@ -97,11 +121,8 @@ class Worker:
         if device.type != "cuda":
             return CPU_DEFAULT_NUM_BLOCKS
         free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        budget = total * self.config.gpu_memory_utilization - used
-        # Keep room for activations and the runner's per-slot state.
-        budget -= 2 * 1024**3
-        return max(1, int(budget // bytes_per_block(info, self.config.block_size, dtype)))
+        return kv_pool_blocks(free, total, self.config.gpu_memory_utilization,
+                              bytes_per_block(info, self.config.block_size, dtype), str(device))
 
     def execute(self, plan: ExecutionPlan) -> StepResult:
         """Run one plan and wait for its result."""

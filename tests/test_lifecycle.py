@@ -132,3 +132,15 @@ def test_a_failed_step_keeps_engine_and_worker_in_step(point):
         want = fresh.generate([[3, 1, 4], [2, 7, 1, 8]], params, use_tqdm=False)
     for name, w in zip(["victim", "later"], want, strict=True):
         assert (finals[name].token_ids, finals[name].exit_depths) == (w.token_ids, w.exit_depths), name
+
+
+def test_kv_pool_sizing_refuses_a_device_with_no_room() -> None:
+    """Auto-sizing takes what is in use and the activation reserve out of the budget; a budget below
+    one block is an error that says what to do (before: a silent 1-block pool that refused every request)."""
+    from rlt_worker.worker import ACTIVATION_RESERVE_BYTES, KVPoolSizeError, kv_pool_blocks
+
+    gib = 1024**3
+    assert kv_pool_blocks(free=100 * gib, total=100 * gib, utilization=0.5, block_bytes=gib,
+                          device="cuda:0") == 50 - ACTIVATION_RESERVE_BYTES // gib
+    with pytest.raises(KVPoolSizeError, match="raise gpu_memory_utilization, or pass num_blocks"):
+        kv_pool_blocks(free=15 * gib, total=140 * gib, utilization=0.9, block_bytes=3 * 2**20, device="cuda:0")
