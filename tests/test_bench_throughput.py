@@ -160,6 +160,35 @@ def test_replay_runs_trace_over_the_gate_workloads_depths(tmp_path, one_thread: 
     assert result["runs"] == [] and "list ouro before ouro_replay" in result["error"]
 
 
+def test_shallow_gives_the_per_loop_cost_and_trace_its_share_of_the_ideal(tmp_path, one_thread: None,
+                                                                          capsys) -> None:
+    out = tmp_path / "bench.json"
+    argv = [*TOY_GRID, "--concurrency", "2", "--exit", "fixed,trace,shallow", "--no-warmup", "--json", str(out)]
+    assert main(argv) == 0
+    by_mode = {r["exit_mode"]: r["median"] for r in json.loads(out.read_text())["results"]}
+    assert by_mode["shallow"]["loops_per_generated_token"] == 1.0
+    assert by_mode["fixed"]["loops_per_generated_token"] == 4.0
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("trace speed-up over fixed")]
+    assert "workers=0 c=2" in line and "of an ideal" in line
+
+
+def test_loop_speedups_arithmetic() -> None:
+    """A run exactly on the line through fixed and shallow reaches 100% of the ideal; 0.9× its speed, 90%."""
+    from rlt_engine.bench.throughput import ConfigResult, loop_speedups
+
+    def result(mode: str, tps: float, loops: float) -> ConfigResult:
+        r = ConfigResult(0, mode, 32, runs=[{}])
+        r.median = {"tokens_per_s": tps, "loops_per_generated_token": loops}
+        return r
+
+    t_d, t_1 = 1 / 100, 1 / 250  # s per token at 4 loops and at 1
+    t_ideal = t_1 + 1.5 * (t_d - t_1) / 3  # at 2.5 loops
+    for speed, share in ((1.0, "100.0%"), (0.9, "90.0%")):
+        (line,) = loop_speedups([result("fixed", 100, 4.0), result("shallow", 250, 1.0),
+                                 result("trace", speed / t_ideal, 2.5)])
+        assert line.endswith(share), line
+
+
 def test_trace_mix_and_bytes() -> None:
     weights = depth_weights(4, 2.5)
     assert weights == pytest.approx([0.25] * 4)

@@ -23,6 +23,9 @@ c requests in flight until 2·c (`--requests-factor`) have been submitted, each 
                  the workload without the suffix on an engine with `mixed_batches` (prompt chunks
                  ride the decode rows' loop passes), so one grid compares ITL p50/p99 with mixing
                  on and off (not in the default list)
+    exit shallow every generated position at depth 1 (exit trace): with fixed beside it, the
+                 per-loop cost at each (workers, c), from which the end of the run prints how much of
+                 the ideal speed-up over fixed the trace run reached (not in the default list)
     exit ouro_replay, kl_replay, latent_diff_replay
                  exit trace, each request replaying the exit depths that the workload without the
                  suffix gave it earlier in the same invocation (same workers, c and prompts): the
@@ -81,7 +84,8 @@ GATE_WORKLOADS = ("ouro", "kl", "latent_diff")  # exits decided by a signal of t
 # A gate workload's name + this: trace, each request replaying the exit depths the gate workload gave
 # it in the same invocation (same workers, concurrency and prompts): what the gate's decisions cost.
 REPLAY = "_replay"
-WORKLOADS = (*DECODE_WORKLOADS, "prefill", "shared_prefix_cached", "shared_prefix_uncached",
+SHALLOW = "shallow"  # trace at depth 1 after output 0: with fixed, the per-loop cost of a grid's (workers, c)
+WORKLOADS = (*DECODE_WORKLOADS, SHALLOW, "prefill", "shared_prefix_cached", "shared_prefix_uncached",
              *(mode + MIXED for mode in DECODE_WORKLOADS), *(mode + REPLAY for mode in GATE_WORKLOADS))
 SHARED_PREFIX = ("shared_prefix_cached", "shared_prefix_uncached")  # exit fixed, prefix caching on / off
 OURO_THRESHOLD = 0.63  # see --ouro-threshold: 0.6 gave 2.36 and 0.7 2.80 loops (docs/benchmarks.md)
@@ -480,6 +484,8 @@ class Grid:
             return Workload(1, "fixed", self.depth)
         if mode in SHARED_PREFIX:
             return Workload(output_len, "fixed", self.depth, shared_prefix_len=a.shared_prefix_len)
+        if mode == SHALLOW:
+            return Workload(output_len, "trace", self.depth, trace_mean=1.0)
         mode = _engine_exit(mode)
         thresholds = {"ouro": a.ouro_threshold, "kl": a.kl_threshold, "latent_diff": a.latent_threshold}
         return Workload(output_len, mode, self.depth, a.trace_mean, thresholds.get(mode))
@@ -725,8 +731,8 @@ class ReplayError(RuntimeError):
 
 def _engine_exit(mode: str) -> str:
     """The engine's exit_mode for a workload (prefill: one token per request, fixed; shared prefix: fixed;
-    a mixed one: its base workload's; a replay: trace)."""
-    if mode.endswith(REPLAY):
+    a mixed one: its base workload's; a replay and shallow: trace)."""
+    if mode.endswith(REPLAY) or mode == SHALLOW:
         return "trace"
     return "fixed" if mode == "prefill" or mode in SHARED_PREFIX else mode.removesuffix(MIXED)
 
@@ -1006,9 +1012,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot:
         plot(grid.results, args.plot, _title(grid.meta))
     print(table(grid.results))
-    for line in worker_ratios(grid.results) + replay_ratios(grid.results):
+    for line in worker_ratios(grid.results) + replay_ratios(grid.results) + loop_speedups(grid.results):
         log(line)
     return 0
+
+
+def loop_speedups(results: Sequence[ConfigResult]) -> list[str]:
+    """trace's speed-up over fixed against the ideal one, per (workers, c) measured with fixed, trace and
+    shallow: a token's time is linear in its loops, t(L) = t(L₁) + (L − L₁)·(t(D) − t(L₁)) / (D − L₁),
+    with t = 1 / output tokens/s and L the loops per generated token of each run."""
+    by_key = {(r.workers, r.exit_mode, r.concurrency): r.median for r in results if r.runs}
+    lines = []
+    for (workers, mode, c), trace in by_key.items():
+        fixed, shallow = by_key.get((workers, "fixed", c)), by_key.get((workers, SHALLOW, c))
+        if mode != "trace" or fixed is None or shallow is None:
+            continue
+        t_d, t_1, t_l = (1 / m["tokens_per_s"] for m in (fixed, shallow, trace))
+        l_d, l_1, l_l = (m["loops_per_generated_token"] for m in (fixed, shallow, trace))
+        ideal = t_d / (t_1 + (l_l - l_1) * (t_d - t_1) / (l_d - l_1))
+        measured = t_d / t_l
+        lines.append(f"trace speed-up over fixed at {l_l:.2f} loops, workers={workers} c={c}: {measured:.3f}× of "
+                     f"an ideal {ideal:.3f}× (per-loop cost from fixed and shallow): {measured / ideal:.1%}")
+    return lines
 
 
 def replay_ratios(results: Sequence[ConfigResult]) -> list[str]:
