@@ -8,11 +8,15 @@ a few ulps (rtol 1e-6 per kernel, 1e-5 after a whole loop), float64 to 1e-12; Ro
 no reduction and are held to the same bounds. bf16 is checked on the GPU only: the interpreter
 truncates fp32→bf16 casts instead of rounding them.
 
+The rotating K/V write (write_kv_rotary, both backends) must store and return exactly what rope_qk
+then write_kv do (float32, bf16: the same kernel's rounding either way), and the fused loop through
+paged contexts (their attend_rotary) must match the torch modules through attend.
+
 The float64 engine run (fused loop + emulated pass graphs, toy-ouro) must give exactly the dense
 reference's tokens and exit depths (SPEC §7a).
 
 GPU (marked gpu): the compiled kernels at Ouro-1.4B widths in bf16 within one bf16 ulp of the torch
-composition, and float32 within the CPU bounds.
+composition, and float32 within the CPU bounds; the rotating K/V write bit for bit.
 """
 
 from __future__ import annotations
