@@ -8,7 +8,7 @@ from types import ModuleType
 import torch
 
 from rlt_worker.kv_storage import KVStorage
-from rlt_worker.models.base import LayerId
+from rlt_worker.models.base import LayerId, Rotary
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class PagedPlaneView:
 
 
 class PagedContext:
-    """Implements models.base.AttentionContext over the worker's KV pool.
+    """Implements models.base.RotaryAttentionContext over the worker's KV pool.
 
     Loop layers use `loop_view` (each row's depth plane); layers outside the loop use
     `outer_view` (one version per position). Every row reads positions 0 … its own: through
@@ -71,11 +71,28 @@ class PagedContext:
         self._chunks = chunks
 
     def attend(self, layer: LayerId, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        view = self._view(layer)
+        k_cache, v_cache = self._storage.caches(layer.index)
+        self._backend.write_kv(k_cache, v_cache, k, v, view.slot_mapping)
+        return self._attention(view, q, k_cache, v_cache)
+
+    def attend_rotary(self, layer: LayerId, qkv: torch.Tensor, rope: Rotary) -> torch.Tensor:
+        """`attend` with q/k rotated in the K/V write's launch (the backend's write_kv_rotary)."""
+        view = self._view(layer)
+        k_cache, v_cache = self._storage.caches(layer.index)
+        q = self._backend.write_kv_rotary(k_cache, v_cache, qkv, rope, view.slot_mapping)
+        return self._attention(view, q, k_cache, v_cache)
+
+    def _view(self, layer: LayerId) -> PagedPlaneView:
         view = self._loop_view if layer.in_loop else self._outer_view
         if view is None:
             raise RuntimeError(f"this batch has no {'loop' if layer.in_loop else 'outer'} plane view")
-        k_cache, v_cache = self._storage.caches(layer.index)
-        self._backend.write_kv(k_cache, v_cache, k, v, view.slot_mapping)
+        return view
+
+    def _attention(
+        self, view: PagedPlaneView, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """q's rows over the caches, once this batch's K/V is in them."""
         scale = q.shape[-1] ** -0.5
         chunks = self._chunks
         if chunks is None:
@@ -101,9 +118,17 @@ class StackedContext:
         self._parts = parts
 
     def attend(self, layer: LayerId, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        outs, start = [], 0
+        return torch.cat([context.attend(layer, q[rows], k[rows], v[rows]) for context, rows in self._rows()])
+
+    def attend_rotary(self, layer: LayerId, qkv: torch.Tensor, rope: Rotary) -> torch.Tensor:
+        """Each part's attend_rotary over its rows (its rows' positions)."""
+        return torch.cat([context.attend_rotary(layer, qkv[rows], rope._replace(positions=rope.positions[rows]))
+                          for context, rows in self._rows()])
+
+    def _rows(self) -> list[tuple[PagedContext, slice]]:
+        """Each part's context and its rows in the batch."""
+        parts, start = [], 0
         for context, num_rows in self._parts:
-            rows = slice(start, start + num_rows)
-            outs.append(context.attend(layer, q[rows], k[rows], v[rows]))
+            parts.append((context, slice(start, start + num_rows)))
             start += num_rows
-        return torch.cat(outs)
+        return parts

@@ -8,11 +8,15 @@ a few ulps (rtol 1e-6 per kernel, 1e-5 after a whole loop), float64 to 1e-12; Ro
 no reduction and are held to the same bounds. bf16 is checked on the GPU only: the interpreter
 truncates fp32→bf16 casts instead of rounding them.
 
+The rotating K/V write (write_kv_rotary, both backends) must store and return exactly what rope_qk
+then write_kv do (float32, bf16: the same kernel's rounding either way), and the fused loop through
+paged contexts (their attend_rotary) must match the torch modules through attend.
+
 The float64 engine run (fused loop + emulated pass graphs, toy-ouro) must give exactly the dense
 reference's tokens and exit depths (SPEC §7a).
 
 GPU (marked gpu): the compiled kernels at Ouro-1.4B widths in bf16 within one bf16 ulp of the torch
-composition, and float32 within the CPU bounds.
+composition, and float32 within the CPU bounds; the rotating K/V write bit for bit.
 """
 
 from __future__ import annotations
@@ -84,6 +88,39 @@ def check_rope(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, dev
     torch.testing.assert_close(k, want_k, **tol)
 
 
+def check_write_kv_rotary(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, device: str = "cpu") -> None:
+    """write_kv_rotary stores and returns, bit for bit, what rope_qk then the backend's write_kv do; the
+    torch backend's rotation too (on the CPU in float32/float64, where the interpreter rounds as torch)."""
+    from rlt_worker.attention import torch_ref
+    from rlt_worker.kernels.fused_ops import rope_qk, rope_table, write_kv_rotary
+    from rlt_worker.models.base import Rotary
+    from rlt_worker.paged_context import PagedPlaneView
+
+    gen = torch.Generator().manual_seed(heads * 100 + kv_heads)
+    block_size, num_blocks, scratch = 4, 8, 7
+    # Rows of two sequences at positions around block boundaries (3|4, 7|8), then a graph's padding
+    # row: position 0 of a table that is the scratch block throughout.
+    positions = torch.tensor([3, 4, 7, 8, 0, 5, 0]).to(device)
+    tables = torch.tensor([[2, 0, 5], [2, 0, 5], [2, 0, 5], [2, 0, 5], [1, 6, 4], [1, 6, 4], [scratch] * 3],
+                          dtype=torch.int32).to(device)
+    slots = PagedPlaneView(tables, positions, block_size).slot_mapping
+    n = len(positions)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim, generator=gen, dtype=torch.float64).to(device, dtype)
+    cos, sin = rope_table(64, head_dim, 1e4, dtype, device)
+    rope = Rotary(positions, cos, sin, heads, kv_heads, head_dim)
+    # The caches start as noise, so a store to a wrong slot (or a missing one) shows.
+    pool = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen, dtype=torch.float64)
+    want_k, want_v = pool.to(device, dtype).unbind(0)
+    q, k = rope_qk(qkv, positions, cos, sin, heads, kv_heads, head_dim)
+    tb.write_kv(want_k, want_v, k, qkv[:, (heads + kv_heads) * head_dim :].view(n, kv_heads, head_dim), slots)
+    backends = [write_kv_rotary] + ([torch_ref.write_kv_rotary] if dtype != torch.bfloat16 else [])
+    for fused in backends:
+        got_k, got_v = pool.to(device, dtype).unbind(0)
+        got_q = fused(got_k, got_v, qkv, rope, slots)
+        assert torch.equal(got_q, q), f"{fused.__module__}: q"
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v), f"{fused.__module__}: caches"
+
+
 def check_swiglu(dtype: torch.dtype, inner: int, device: str = "cpu", tol=None) -> None:
     """silu(gate)·up of packed gate|up rows, as layers.SwiGLU computes it between its GEMMs."""
     from rlt_worker.kernels.fused_ops import swiglu
@@ -136,6 +173,44 @@ def check_fused_loop(dtype: torch.dtype, model_name: str = "toy-ouro", device: s
             assert torch.equal(reference.loop(want[loop - 1], embedded, positions, ctx), want[loop])
 
 
+def check_fused_loop_paged(dtype: torch.dtype, model_name: str = "toy-ouro") -> None:
+    """FusedOuroModel.loop through the paged contexts' fused rotating K/V write (the Triton backend)
+    equals OuroModel.loop through their attend: a mixed batch (StackedContext) of two sequences'
+    rows, each part a PagedContext, over a few loops."""
+    from rlt_worker.kv_storage import KVStorage
+    from rlt_worker.models.loader import load_model
+    from rlt_worker.models.ouro_fused import FusedOuroModel
+    from rlt_worker.paged_context import PagedContext, PagedPlaneView, StackedContext
+
+    reference = load_model(model_name, dtype=dtype, device="cpu")
+    info, block_size = reference.info, 4
+    gen = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, 256, (9,), generator=gen)
+    positions = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 3])  # sequence A (5 rows), then B (4 rows)
+    parts = [(slice(0, 5), [3, 0]), (slice(5, 9), [1, 5])]
+
+    def context(storage: KVStorage) -> StackedContext:
+        """Each sequence's rows over its own blocks: every row reads positions 0 … its own."""
+        contexts = []
+        for rows, blocks in parts:
+            pos = positions[rows]
+            view = PagedPlaneView(torch.tensor([blocks] * len(pos), dtype=torch.int32), pos, block_size)
+            contexts.append((PagedContext(storage, tb, pos, view, None), len(pos)))
+        return StackedContext(contexts)
+
+    with torch.inference_mode():
+        embedded = reference.embed(tokens, positions, context(KVStorage(info, 8, block_size, dtype, "cpu")))
+        want = [embedded]
+        for _ in range(3):
+            want.append(reference.loop(want[-1], embedded, positions,
+                                       context(KVStorage(info, 8, block_size, dtype, "cpu"))))
+        fused = FusedOuroModel(reference)
+        state = embedded
+        for loop in range(1, 4):
+            state = fused.loop(state, embedded, positions, context(KVStorage(info, 8, block_size, dtype, "cpu")))
+            torch.testing.assert_close(state, want[loop], **LOOP_TOL[dtype], msg=lambda m, i=loop: f"loop {i}: {m}")
+
+
 def check_engine_float64() -> None:
     """toy-ouro, float64, trace: the fused loop under emulated pass graphs gives the dense reference's
     tokens and exit depths exactly."""
@@ -161,9 +236,13 @@ INTERP_CASES: dict[str, Callable[[], None]] = {
     **{f"add_rmsnorm-{str(d)[6:]}-h{h}": functools.partial(check_add_rmsnorm, d, h)
        for d in (torch.float32, torch.float64) for h in (48, 64)},
     **{f"rope-{str(d)[6:]}": functools.partial(check_rope, d, 4, 2, 16) for d in (torch.float32, torch.float64)},
+    **{f"write_kv_rotary-{str(d)[6:]}-{h}q{kv}kv": functools.partial(check_write_kv_rotary, d, h, kv, 16)
+       for d in (torch.float32, torch.bfloat16) for h, kv in ((4, 4), (4, 2))},
     **{f"swiglu-{str(d)[6:]}-i{i}": functools.partial(check_swiglu, d, i)
        for d in (torch.float32, torch.float64) for i in (40, 1500)},
     **{f"loop-{str(d)[6:]}": functools.partial(check_fused_loop, d) for d in (torch.float32, torch.float64)},
+    **{f"loop-paged-{str(d)[6:]}": functools.partial(check_fused_loop_paged, d)
+       for d in (torch.float32, torch.float64)},
     "engine-float64": check_engine_float64,
 }
 
@@ -218,6 +297,7 @@ def test_gpu_kernels_at_ouro_widths(dtype: torch.dtype, rows: int) -> None:
     tol = BF16 if dtype == torch.bfloat16 else TOL[torch.float32]
     check_add_rmsnorm(dtype, 2048, rows=rows, device="cuda", tol=tol)
     check_rope(dtype, 16, 16, 128, device="cuda", tol=tol)
+    check_write_kv_rotary(dtype, 16, 16, 128, device="cuda")
     check_swiglu(dtype, 5632, device="cuda", tol=tol)
 
 

@@ -1,7 +1,8 @@
 """Attention backends: `torch` (CPU path and oracle) and `triton` (CUDA default).
 
-A backend module provides write_kv, paged_attention, prefill_attention and finalize_kv with the
-signatures of torch_ref (the Triton prefill kernel lives in triton_prefill).
+A backend module provides write_kv, write_kv_rotary, paged_attention, prefill_attention and
+finalize_kv with the signatures of torch_ref (the Triton prefill kernel lives in triton_prefill, the
+Triton write_kv_rotary in kernels/fused_ops, beside the RoPE kernel it shares).
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from rlt_worker.models.base import Rotary
+from rlt_worker.models.layers import apply_split_half
+
 
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
@@ -23,6 +26,21 @@ def write_kv(
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k
     v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v
+
+
+def write_kv_rotary(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, qkv: torch.Tensor, rope: Rotary, slot_mapping: torch.Tensor
+) -> torch.Tensor:
+    """Rotate q|k of packed q|k|v rows [N, (Hq + 2·Hkv)·Dh] by `rope`, store k and v as write_kv does,
+    return q [N, Hq, Dh]: the torch modules' rotation (layers.apply_split_half) at the table's rows."""
+    positions, cos, sin, num_heads, num_kv_heads, head_dim = rope
+    n, heads = qkv.shape[0], num_heads + num_kv_heads
+    c, s = cos[positions], sin[positions]  # [N, Dh/2]: the table keeps one of the two equal halves
+    qk = apply_split_half(qkv[:, : heads * head_dim].view(n, heads, head_dim),
+                          torch.cat((c, c), dim=-1)[:, None], torch.cat((s, s), dim=-1)[:, None])
+    write_kv(k_cache, v_cache, qk[:, num_heads:], qkv[:, heads * head_dim :].view(n, num_kv_heads, head_dim),
+             slot_mapping)
+    return qk[:, :num_heads]
 
 
 def paged_attention(

@@ -405,9 +405,14 @@ def finalize_kv(
 
 
 def __getattr__(name: str) -> Any:
-    """The backend's prefill_attention lives in triton_prefill, which imports this module: resolved lazily."""
+    """The backend's prefill_attention (triton_prefill) and write_kv_rotary (kernels.fused_ops) live in
+    modules that import this one: resolved lazily."""
     if name == "prefill_attention":
         from rlt_worker.attention.triton_prefill import prefill_attention
 
         return prefill_attention
+    if name == "write_kv_rotary":
+        from rlt_worker.kernels.fused_ops import write_kv_rotary
+
+        return write_kv_rotary
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

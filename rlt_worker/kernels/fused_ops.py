@@ -13,6 +13,8 @@ Each kernel computes its torch composition in rlt_worker.models.layers in the sa
     rope_qk(qkv, positions, cos, sin)   the q and k heads of packed q|k|v rows, rotated:
         x·cos + rotate_half(x)·sin, each product and the sum rounded to the dtype; cos/sin come
         from a table that layers.split_half_cos_sin computed (fp32, cast), gathered by position.
+    write_kv_rotary(k_cache, v_cache, qkv, rope, slots)   the same kernel storing rotated k and v
+        straight into the paged caches (the Triton backend's fused K/V write); q comes back.
     swiglu(gate_up)   silu(gate)·up of packed gate|up rows: silu in fp32, rounded, the product
         rounded.
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from rlt_worker.attention.triton_backend import _check_device, _interpreting, _kernel, tl, triton
+from rlt_worker.models.base import Rotary
 from rlt_worker.models.layers import split_half_cos_sin
 
 try:
@@ -39,7 +42,7 @@ try:
 except ImportError:  # pragma: no cover - exercised only without Triton
     libdevice = None
 
-__all__ = ["add_rmsnorm", "rope_qk", "rope_table", "swiglu"]
+__all__ = ["add_rmsnorm", "rope_qk", "rope_table", "swiglu", "write_kv_rotary"]
 
 SWIGLU_BLOCK = 1024  # columns per SwiGLU program
 
@@ -84,12 +87,19 @@ def _add_rmsnorm_kernel(
 
 
 def _rope_qk_kernel(
-    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr,
+    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr, slot_ptr, kc_ptr, vc_ptr,
     stride_qkv, stride_cos, stride_out,
-    NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-    F64: tl.constexpr,
+    stride_kcb, stride_kcs, stride_kch, stride_kcd,
+    stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    NUM_HEADS: tl.constexpr, NUM_OUT: tl.constexpr, HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, KV_HEADS: tl.constexpr, KV_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TO_CACHE: tl.constexpr, F64: tl.constexpr,
 ):
-    """One row: its first NUM_HEADS heads (q then k) rotated, [NUM_HEADS, 2·HALF] into out."""
+    """One row: its first NUM_HEADS heads (q then k) rotated; heads < NUM_OUT into out [.., 2·HALF].
+
+    TO_CACHE: NUM_OUT is the q heads; the rotated k heads and the row's unrotated v heads go to
+    the paged caches at slot slot_mapping[row] (block = slot // BLOCK_SIZE, offset = slot % it).
+    """
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + row).to(tl.int64)
     heads = tl.arange(0, HEADS_PAD)
@@ -106,9 +116,26 @@ def _rope_qk_kernel(
     # x·cos + rotate_half(x)·sin with rotate_half([x1, x2]) = [−x2, x1]; every op rounded to the dtype.
     o1 = ((x1 * c).to(dtype).to(cdt) + (-x2 * s).to(dtype).to(cdt)).to(dtype)
     o2 = ((x2 * c).to(dtype).to(cdt) + (x1 * s).to(dtype).to(cdt)).to(dtype)
+    out_ok = ok & (heads < NUM_OUT)[:, None]
     dst = out_ptr + row * stride_out + heads[:, None] * (2 * HALF) + i[None, :]
-    tl.store(dst, o1, mask=ok)
-    tl.store(dst + HALF, o2, mask=ok)
+    tl.store(dst, o1, mask=out_ok)
+    tl.store(dst + HALF, o2, mask=out_ok)
+    if TO_CACHE:
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        k_ok = ok & (heads >= NUM_OUT)[:, None]
+        kc = (kc_ptr + blk * stride_kcb + off * stride_kcs + (heads - NUM_OUT)[:, None] * stride_kch
+              + i[None, :] * stride_kcd)
+        tl.store(kc, o1.to(kc_ptr.dtype.element_ty), mask=k_ok)
+        tl.store(kc + HALF * stride_kcd, o2.to(kc_ptr.dtype.element_ty), mask=k_ok)
+        # v: the row's last KV_HEADS heads, copied as they are (write_kv's store).
+        h = tl.arange(0, KV_PAD)
+        d = tl.arange(0, 2 * HALF_PAD)
+        v_ok = (h < KV_HEADS)[:, None] & (d < 2 * HALF)[None, :]
+        v = tl.load(qkv_ptr + row * stride_qkv + (NUM_HEADS + h)[:, None] * (2 * HALF) + d[None, :], mask=v_ok)
+        vc = vc_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :] * stride_vcd
+        tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=v_ok)
 
 
 def _swiglu_kernel(
@@ -197,25 +224,58 @@ def rope_qk(
     positions [N] index the rope_table rows cos/sin [max_positions, Dh/2]. The results are views of
     one new [N, Hq + Hkv, Dh] tensor; v stays where it is (qkv[:, (Hq + Hkv)·Dh:]).
     """
+    rope = Rotary(positions, cos, sin, num_heads, num_kv_heads, head_dim)
+    out = torch.empty(qkv.shape[0], num_heads + num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    _rope(qkv, rope, out, None)
+    return out[:, :num_heads], out[:, num_heads:]
+
+
+def write_kv_rotary(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, qkv: torch.Tensor, rope: Rotary, slot_mapping: torch.Tensor
+) -> torch.Tensor:
+    """rope_qk then triton_backend.write_kv in one launch: rotated q [N, Hq, Dh] returned, rotated k
+    and v (as it is in qkv) stored at flat cache slots [N] of k_cache/v_cache [blocks, block_size, Hkv, Dh]
+    (any strides), bit for bit what the two launches store."""
+    cache_shape = (rope.num_kv_heads, rope.head_dim)
+    if k_cache.shape != v_cache.shape or k_cache.shape[2:] != cache_shape or k_cache.dtype != qkv.dtype \
+            or v_cache.dtype != qkv.dtype or slot_mapping.shape != (qkv.shape[0],):
+        raise ValueError(f"caches {tuple(k_cache.shape)} {k_cache.dtype}, {tuple(v_cache.shape)} {v_cache.dtype} "
+                         f"and slots {tuple(slot_mapping.shape)} do not fit qkv {tuple(qkv.shape)} {qkv.dtype} "
+                         f"of {rope.num_kv_heads} kv heads of {rope.head_dim}")
+    q = torch.empty(qkv.shape[0], rope.num_heads, rope.head_dim, dtype=qkv.dtype, device=qkv.device)
+    _rope(qkv, rope, q, (k_cache, v_cache, slot_mapping))
+    return q
+
+
+def _rope(
+    qkv: torch.Tensor, rope: Rotary, out: torch.Tensor,
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> None:
+    """The one RoPE launch: q|k rotated into out, or (cache given) q into out and k, v into the caches."""
     _rows(qkv, "qkv")
     num_rows = qkv.shape[0]
+    positions, cos, sin, num_heads, num_kv_heads, head_dim = rope
     heads = num_heads + num_kv_heads
     if qkv.shape[1] != (heads + num_kv_heads) * head_dim or head_dim % 2:
         raise ValueError(f"qkv {tuple(qkv.shape)} is not q|k|v of {num_heads}+2×{num_kv_heads} heads of {head_dim}")
     if cos.shape != sin.shape or cos.shape[1] != head_dim // 2 or cos.stride(1) != 1 or sin.stride() != cos.stride():
         raise ValueError(f"cos/sin must be one rope_table pair [max_positions, {head_dim // 2}]")
-    _check_device(qkv, positions, cos, sin)
-    out = torch.empty(num_rows, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    if num_rows:
-        half = head_dim // 2
-        _kernel(_rope_qk_kernel)[(num_rows,)](
-            qkv, positions, cos, sin, out,
-            qkv.stride(0), cos.stride(0), out.stride(0),
-            NUM_HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads), HALF=half,
-            HALF_PAD=triton.next_power_of_2(half), F64=qkv.dtype == torch.float64,
-            **_options(4),
-        )
-    return out[:, :num_heads], out[:, num_heads:]
+    _check_device(qkv, positions, cos, sin, *(cache or ()))
+    if num_rows == 0:
+        return
+    # Without a cache the kernel never reads the cache arguments (TO_CACHE is a constexpr).
+    k_cache, v_cache, slots = cache or (out, out, positions)
+    cache_strides = (*k_cache.stride(), *v_cache.stride()) if cache else (0,) * 8
+    half = head_dim // 2
+    _kernel(_rope_qk_kernel)[(num_rows,)](
+        qkv, positions, cos, sin, out, slots, k_cache, v_cache,
+        qkv.stride(0), cos.stride(0), out.stride(0), *cache_strides,
+        NUM_HEADS=heads, NUM_OUT=out.shape[1], HEADS_PAD=triton.next_power_of_2(heads),
+        HALF=half, HALF_PAD=triton.next_power_of_2(half),
+        KV_HEADS=num_kv_heads, KV_PAD=triton.next_power_of_2(num_kv_heads),
+        BLOCK_SIZE=k_cache.shape[1] if cache else 1, TO_CACHE=cache is not None, F64=qkv.dtype == torch.float64,
+        **_options(4),
+    )
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

@@ -15,13 +15,13 @@ One generated position, for either family:
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
 from protocol.messages import ModelInfo
 
-__all__ = ["AttentionContext", "LayerId", "LoopedModel", "ModelInfo"]
+__all__ = ["AttentionContext", "LayerId", "LoopedModel", "ModelInfo", "RotaryAttentionContext", "Rotary"]
 
 
 class LayerId(NamedTuple):
@@ -39,6 +39,33 @@ class AttentionContext(Protocol):
 
         Row i is the token at the batch's i-th position; it reads every earlier position of
         its own sequence and itself (K/V chosen per SPEC §4). Returns [N, Hq, Dh].
+        """
+        ...
+
+
+class Rotary(NamedTuple):
+    """Split-half RoPE of a batch's packed q|k|v rows: what a fused rotate-and-write needs.
+
+    cos/sin are one table pair [max_positions, Dh/2] (kernels.fused_ops.rope_table), read at
+    `positions` [N]; the rows hold num_heads q heads, then num_kv_heads k heads, then v heads.
+    """
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@runtime_checkable
+class RotaryAttentionContext(AttentionContext, Protocol):
+    """A context that can also rotate q/k itself, in the launch that stores this batch's K/V."""
+
+    def attend_rotary(self, layer: LayerId, qkv: torch.Tensor, rope: Rotary) -> torch.Tensor:
+        """`attend` of packed q|k|v rows [N, (Hq + 2·Hkv)·Dh] with q and k rotated by `rope` first.
+
+        Equals rotating with kernels.fused_ops.rope_qk, then attend(layer, q, k, v), bit for bit.
         """
         ...
 

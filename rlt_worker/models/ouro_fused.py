@@ -4,17 +4,22 @@
 and runs `loop` as, per decoder layer,
 
     qkv = y·W_qkv                      one GEMM (q|k|v packed at load time)
-    q, k = rope_qk(qkv)                one launch for both; v is read in place from qkv
-    a = ctx.attend(q, k, v)            the context's K/V write and paged attention (unchanged)
+    a = ctx.attend_rotary(qkv, rope)   one launch rotates q and k and writes k, v into the paged
+                                       cache (the context's backend: write_kv_rotary), then the
+                                       context's paged attention
     x, y = add_rmsnorm(x, a·W_o)       x + input_layernorm_2(·), then post_attention_layernorm
     m = swiglu(y·W_gate_up)·W_down     one GEMM (gate|up packed), one launch, one GEMM
     x, y = add_rmsnorm(x, m)           x + post_attention_layernorm_2(·), then the next layer's
                                        input_layernorm (model.norm after the last layer)
 
-plus one plain RMSNorm at the loop's start: 2 + 4 GEMMs + the attention's launches per layer
-instead of ~58 kernels. Packing concatenates q|k|v and gate|up into one weight each and re-points
-the reference modules' weights at views of it, so no weight is held twice and the checkpoint's
-names (the reference's state_dict, under `reference.`) are unchanged.
+plus one plain RMSNorm at the loop's start: per layer 4 GEMMs, 3 elementwise launches and the
+context's (the rotating K/V write, the attention, a split merge) instead of ~58 kernels. A context
+without attend_rotary (a test's or a script's own) gets the same numbers by composition: rope_qk,
+then its attend (`rope_then_attend`).
+
+Packing concatenates q|k|v and gate|up into one weight each and re-points the reference modules'
+weights at views of it, so no weight is held twice and the checkpoint's names (the reference's
+state_dict, under `reference.`) are unchanged.
 
 The kernels round as the torch modules do (rlt_worker/kernels/fused_ops.py), but the mean of
 squares and the packed GEMMs reduce in other orders, so results equal the reference's up to the
@@ -23,6 +28,7 @@ last bit of fp32 (SPEC §7a), not bit for bit. Chosen once, by the worker (`fuse
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import NamedTuple
 
@@ -32,7 +38,7 @@ from torch import nn
 
 from rlt_worker.kernels.fused_ops import add_rmsnorm, rope_qk, rope_table, swiglu
 
-from .base import AttentionContext, LayerId, LoopedModel
+from .base import AttentionContext, LayerId, LoopedModel, Rotary, RotaryAttentionContext
 from .ouro import OuroDecoderLayer, OuroModel
 
 log = logging.getLogger("rlt.worker")
@@ -112,12 +118,12 @@ class FusedOuroModel(LoopedModel):
         n = state.shape[0]
         heads, kv_heads, head_dim, eps = self._heads, self._kv_heads, self._head_dim, self._eps
         layers = self._layers
+        rope = Rotary(positions, self._cos, self._sin, heads, kv_heads, head_dim)
+        attend_rotary = (ctx.attend_rotary if isinstance(ctx, RotaryAttentionContext)
+                         else functools.partial(rope_then_attend, ctx))
         x, y = add_rmsnorm(state, None, None, layers[0].input_norm, eps)
         for i, w in enumerate(layers):
-            qkv = F.linear(y, w.qkv)
-            q, k = rope_qk(qkv, positions, self._cos, self._sin, heads, kv_heads, head_dim)
-            v = qkv[:, (heads + kv_heads) * head_dim :].view(n, kv_heads, head_dim)
-            attn = ctx.attend(w.layer, q, k, v).reshape(n, heads * head_dim)
+            attn = attend_rotary(w.layer, F.linear(y, w.qkv), rope).reshape(n, heads * head_dim)
             x, y = add_rmsnorm(x, F.linear(attn, w.o), w.input_norm_2, w.post_norm, eps)
             mlp = F.linear(swiglu(F.linear(y, w.gate_up)), w.down)
             closing = layers[i + 1].input_norm if i + 1 < len(layers) else self._final_norm
@@ -135,6 +141,13 @@ class FusedOuroModel(LoopedModel):
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The reference's head."""
         return self.reference.lm_head(hidden)
+
+
+def rope_then_attend(ctx: AttentionContext, layer: LayerId, qkv: torch.Tensor, rope: Rotary) -> torch.Tensor:
+    """attend_rotary for a context that has only `attend`: rope_qk's launch, then ctx.attend."""
+    q, k = rope_qk(qkv, *rope)
+    v = qkv[:, (rope.num_heads + rope.num_kv_heads) * rope.head_dim :].view(-1, rope.num_kv_heads, rope.head_dim)
+    return ctx.attend(layer, q, k, v)
 
 
 def with_fused_layers(model: LoopedModel) -> LoopedModel:
