@@ -82,8 +82,9 @@ def check_row_bound_linear() -> None:
     assert torch.equal(RowBoundLinear(0)(x[:1], w), F.linear(x[:1], w))
 
 
-def check_fused_loop_with_gemv() -> None:
-    """FusedOuroModel with the GEMV forced on (every pass of ≤ 16 rows), float32: loop() as the torch modules."""
+def check_fused_loop_with_gemv(num_rows: int) -> None:
+    """FusedOuroModel with the GEMV forced on (every pass of ≤ 16 rows), float32: loop() as the torch
+    modules (2 rows: the multiply-add path; 9: tl.dot)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from test_fused_ops import LOOP_TOL, CausalRowsContext
 
@@ -92,8 +93,8 @@ def check_fused_loop_with_gemv() -> None:
 
     reference = load_model("toy-ouro", dtype=torch.float32, device="cpu")
     gen = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, 256, (9,), generator=gen)
-    positions = torch.arange(9)
+    tokens = torch.randint(0, 256, (num_rows,), generator=gen)
+    positions = torch.arange(num_rows)
     ctx = CausalRowsContext()
     with torch.inference_mode():
         embedded = reference.embed(tokens, positions, ctx)
@@ -108,7 +109,7 @@ INTERP_CASES: dict[str, Callable[[], None]] = {
        for d in (torch.float32, torch.bfloat16) for m in ROWS},
     **{f"row-tiles-{str(d)[6:]}": functools.partial(check_row_tiles, d) for d in (torch.float32, torch.bfloat16)},
     "row-bound-linear": check_row_bound_linear,
-    "fused-loop-gemv-float32": check_fused_loop_with_gemv,
+    **{f"fused-loop-gemv-float32-rows{n}": functools.partial(check_fused_loop_with_gemv, n) for n in (2, 9)},
 }
 
 
