@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 from factories import DEPTH, assert_matches_reference, make_llm, make_workload, run_workload
 
 from rlt_worker.decode_loop import DecodeLoop
@@ -110,6 +111,7 @@ def assert_host_work(work: HostWork, most_boundary_uploads: int) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_same_counts_on_cuda_with_captured_graphs(compiled: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """toy-ouro in float32 on CUDA (Triton, captured pass and CODA graphs, 4·D passes per plan, pinned
     asynchronous copies): the CPU's counts; every pass a graph replay. (Its tokens against the eager
