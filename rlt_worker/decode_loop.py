@@ -28,12 +28,13 @@ state a pass left (a graph replay when one fits), and the host reads back a few 
 choose the next pass's rows. Nothing else leaves the device until the StepResult is built. The host
 keeps the rows' columns and sends each pass's rows in one copy (`ModelRunner.pass_columns`: into the
 graph's static inputs when a graph runs the pass, and the exit test reads them there); what the test
-reads per slot (limits, exit state) stays on the device in `DecodeCursors.exit_table`, written once
-at the plan's start, by the test, and at each PRELUDE, so a pass needs no other upload:
+reads per slot (limits, threshold, exit state) stays on the device in `DecodeCursors.loop_limits` and
+`exit_values`, written at the plan's start, by the test, and at each PRELUDE, so a pass needs no
+other upload:
 
     per pass       1 upload (slots, positions, depths)        1 readback (exits)
     per boundary   ≤ 3 uploads (FINALIZE, CODA, PRELUDE)      1 readback (tokens)
-    per plan       + 2 uploads (the exit table, the exit states of the rows reported RECURRENT)
+    per plan       + 2 uploads (the rows' exit-test columns, the exit states of the rows reported RECURRENT)
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ if TYPE_CHECKING:
     from rlt_worker.model_runner import ModelRunner
 
 INITIAL_EXIT_STATE = 1.0  # a position's exit state before its first loop (∏ (1 − λ) over no loop)
-# Columns of DecodeCursors.exit_table: what the exit test reads of a slot, gathered once per pass.
-MIN_LOOPS, MAX_LOOPS, THRESHOLD, EXIT_STATE = range(4)
+# Columns of DecodeCursors.loop_limits (int64) and .exit_values (float64): what the exit test reads of a slot.
+MIN_LOOPS, MAX_LOOPS = THRESHOLD, EXIT_STATE = range(2)
 
 
 class ContinuationError(RuntimeError):
@@ -71,8 +72,10 @@ class DecodeCursors:
         self.indices = np.zeros(num_slots, dtype=np.int64)
         self.ended = np.zeros(num_slots, dtype=bool)  # a token ended the slot's request
         self.is_set = np.zeros(num_slots, dtype=bool)  # the slot has run a DecodeBatch row
-        # float64 [slots, 4]: min_loops, max_loops, threshold, exit state (the test's, as the rows run)
-        self.exit_table = torch.ones(num_slots, 4, dtype=torch.float64, device=device)
+        # What the exit test reads of each slot, gathered once per pass: int64 [slots, 2] min_loops and
+        # max_loops; float64 [slots, 2] threshold and exit state (the test's, as the rows run).
+        self.loop_limits = torch.ones(num_slots, 2, dtype=torch.int64, device=device)
+        self.exit_values = torch.ones(num_slots, 2, dtype=torch.float64, device=device)
 
     def reset(self, slot: int) -> None:
         """A slot opened (admit or swap import): it has no DecodeBatch row behind it yet."""
@@ -151,18 +154,20 @@ class DecodeLoop:
         )
         continues = batch.col("continues") > 0
         self._continue_rows(rows, np.flatnonzero(continues))
-        self._write_exit_table(batch, slots, continues)
+        self._write_exit_inputs(batch, slots, continues)
         return rows
 
-    def _write_exit_table(self, batch: DecodeBatch, slots: np.ndarray, continues: np.ndarray) -> None:
-        """The limits and exit states of the rows that do not continue into their slots' exit table,
-        in one upload (the float64 columns travel as their int64 bits)."""
-        columns = ("min_loops", "max_loops", "thresholds", "exit_states")
-        values = np.column_stack([batch.col(name).astype(np.float64) for name in columns])
-        device_slots, bits, device_continues = self.runner.upload(slots, values.view(np.int64), continues)
-        table = self.runner.decode_cursors.exit_table
-        fresh = bits.view(torch.float64).reshape(len(slots), len(columns))
-        table[device_slots] = torch.where(device_continues[:, None] > 0, table[device_slots], fresh)
+    def _write_exit_inputs(self, batch: DecodeBatch, slots: np.ndarray, continues: np.ndarray) -> None:
+        """The limits, thresholds and exit states of the rows that do not continue into their slots'
+        columns, in one upload (the float64 columns travel as their int64 bits)."""
+        n, cursors = len(slots), self.runner.decode_cursors
+        limits = np.column_stack([batch.col("min_loops"), batch.col("max_loops")])
+        values = np.column_stack([batch.col("thresholds"), batch.col("exit_states")]).astype(np.float64)
+        device_slots, device_limits, bits, device_continues = self.runner.upload(
+            slots, limits, values.view(np.int64), continues)
+        keep = device_continues[:, None] > 0  # a row that continues keeps its slot's
+        for table, fresh in ((cursors.loop_limits, device_limits), (cursors.exit_values, bits.view(torch.float64))):
+            table[device_slots] = torch.where(keep, table[device_slots], fresh.reshape(n, 2))
 
     def _continue_rows(self, rows: _Rows, continuing: np.ndarray) -> None:
         """Rows that `continue` take their slot's cursor instead of the batch's columns."""
@@ -191,13 +196,13 @@ class DecodeLoop:
         columns = runner.pass_columns(slots, positions, depths)  # the pass's one upload
         previous = runner.state[columns.slots] if self.test.needs_previous_state else None
         runner.loop_pass(slots, positions, depths, width, columns)
-        table = runner.decode_cursors.exit_table
-        inputs = table[columns.slots]
-        pass_rows = PassRows(columns.slots, columns.positions, columns.depths, inputs[:, MIN_LOOPS],
-                             inputs[:, MAX_LOOPS], inputs[:, THRESHOLD], width)
-        exits, states = self.test.decide(runner, pass_rows, previous, inputs[:, EXIT_STATE])
+        cursors = runner.decode_cursors
+        limits, values = cursors.loop_limits[columns.slots], cursors.exit_values[columns.slots]
+        pass_rows = PassRows(columns.slots, columns.positions, columns.depths, limits[:, MIN_LOOPS],
+                             limits[:, MAX_LOOPS], values[:, THRESHOLD], width)
+        exits, states = self.test.decide(runner, pass_rows, previous, values[:, EXIT_STATE])
         if self.test.updates_exit_state:
-            table[columns.slots, EXIT_STATE] = states
+            cursors.exit_values[columns.slots, EXIT_STATE] = states
         return looping[self.runner.read_back(exits)]  # the pass's readback: which rows go to their boundary
 
     def _after_prefill(self, waiting: np.ndarray, results: ResultBuilder) -> np.ndarray:
@@ -242,7 +247,7 @@ class DecodeLoop:
         rows.depths[going_on] = 0
         rows.exited[going_on] = False
         device_slots = self.runner.embed_rows(rows.slots[going_on], rows.positions[going_on], rows.seeds[going_on])
-        self.runner.decode_cursors.exit_table[device_slots, EXIT_STATE] = INITIAL_EXIT_STATE
+        self.runner.decode_cursors.exit_values[device_slots, EXIT_STATE] = INITIAL_EXIT_STATE
         self._stop_unless_completable(going_on)
 
     def _stop_unless_completable(self, indices: np.ndarray) -> None:
@@ -263,7 +268,7 @@ class DecodeLoop:
         exited = np.flatnonzero(~rows.finished & rows.exited)
         if len(looping):
             (device_slots,) = self.runner.upload(rows.slots[looping])
-            states = self.runner.decode_cursors.exit_table[device_slots, EXIT_STATE]
+            states = self.runner.decode_cursors.exit_values[device_slots, EXIT_STATE]
             results.add(Stage.RECURRENT, rows.keys[looping], rows.generations[looping], depths=rows.depths[looping],
                         exit_states=states)
         if len(exited):
@@ -275,4 +280,4 @@ class DecodeLoop:
         slots = rows.slots
         cursors.positions[slots], cursors.depths[slots] = rows.positions, rows.depths
         cursors.exited[slots], cursors.indices[slots] = rows.exited, rows.indices
-        cursors.ended[slots], cursors.is_set[slots] = rows.finished, True  # exit states: in exit_table already
+        cursors.ended[slots], cursors.is_set[slots] = rows.finished, True  # exit states: in exit_values already

@@ -36,8 +36,8 @@ class PassRows:
     slots: torch.Tensor  # int64
     positions: torch.Tensor  # int64
     depths: torch.Tensor  # int64, the loop just run (1-based)
-    min_loops: torch.Tensor  # int64, or float64 holding whole numbers (the slot exit table's)
-    max_loops: torch.Tensor  # as min_loops
+    min_loops: torch.Tensor  # int64
+    max_loops: torch.Tensor  # int64
     thresholds: torch.Tensor  # float64
     width: int  # block-table columns the rows' contexts need
 

@@ -4,8 +4,8 @@ Structure, never time: every host→device copy goes through the runner's `uploa
 and every readback of the decode loop through its `read_back`, so wrapping those three counts them.
 Per loop pass one upload (into the graph's static inputs when a graph runs it) and one readback
 (its exits); per boundary one readback (its tokens) and at most three uploads (FINALIZE, CODA,
-PRELUDE; Huginn's random state init adds its seeds); per plan besides at most two (the rows' exit
-table, the exit states of the rows it reports). The outputs stay the dense reference's.
+PRELUDE; Huginn's random state init adds its seeds); per plan besides at most two (the rows'
+exit-test columns, the exit states of the rows it reports). The outputs stay the dense reference's.
 """
 
 from __future__ import annotations
