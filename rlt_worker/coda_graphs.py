@@ -89,10 +89,7 @@ class CodaGraphs:
         host = np.zeros((3, rows), dtype=np.int64)  # padding rows: slot 0, seed 0, index 0
         host[0, :n], host[1, :n], host[2, :n] = slots, seeds, indices
         index = self._index[rows]
-        source = torch.from_numpy(host)
-        if self.runner.device.type == "cuda":
-            source = source.pin_memory()
-        index.copy_(source, non_blocking=True)
+        self.runner.upload_into(index, host)
         graph.replay()
         tokens, logprobs = self._outputs[key]
         self.runner.tokens[index[0, :n]] = tokens[:n]

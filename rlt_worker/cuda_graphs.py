@@ -4,7 +4,8 @@ An eager loop pass of the Ouro-1.4B shape is ~1,300 kernel launches, so at every
 host time exceeds its GPU time (docs/benchmarks.md). A captured pass is one graph launch.
 
 What a graph captures: one loop pass of `rows` decode rows (RecurrentBatch rows, or the rows of a
-DecodeBatch pass, whose exit test then runs eagerly on the state the graph left), from the gather
+DecodeBatch pass, whose exit test then runs eagerly on the state the graph left and reads the pass's
+rows from the graph's static inputs: `stage` writes them, `replay` runs them), from the gather
 of their state and injected input out of the runner's per-slot tensors to the scatter of the new
 state back, the K/V writes and the Triton attention included. Its only
 inputs are three static index vectors (slots, positions, depths) of `rows` entries, written by
@@ -110,6 +111,16 @@ class GraphStats:
         }
 
 
+@dataclass(frozen=True)
+class StagedPass:
+    """A decode pass ready to replay: its bucket's graph, and its rows in the bucket's static inputs."""
+
+    graph: Any
+    key: tuple[int, int]  # (rows, width) bucket
+    num_rows: int
+    columns: torch.Tensor  # [3, num_rows] view of the static inputs: slots, positions, depths (int64)
+
+
 class _EagerReplay:
     """emulate=True: the captured function, run eagerly at every replay."""
 
@@ -198,11 +209,19 @@ class LoopPassGraphs:
 
     def run(self, slots: np.ndarray, positions: np.ndarray, depths: np.ndarray) -> bool:
         """One loop pass of these rows from a graph; False (nothing run) when no bucket fits."""
+        staged = self.stage(slots, positions, depths)
+        if staged is not None:
+            self.replay(staged)
+        return staged is not None
+
+    def stage(self, slots: np.ndarray, positions: np.ndarray, depths: np.ndarray) -> StagedPass | None:
+        """The pass's bucket graph with these rows written into its static inputs (one host→device
+        copy), captured now if it is not yet; None (nothing written) when no bucket fits."""
         n = len(slots)
         key = self.bucket(n, int(positions.max()))
         if key is None or self.stats.error is not None:
             self.stats.eager_passes += 1
-            return False
+            return None
         rows, width = key
         graph = self._graphs.get(key)
         if graph is None:
@@ -210,24 +229,26 @@ class LoopPassGraphs:
                                          f"{rows} rows × {width} blocks")
             if graph is None:
                 self.stats.eager_passes += 1
-                return False
+                return None
             self._graphs[key] = graph
             self.stats.lazy_captures += 1
         host = np.empty((3, rows), dtype=np.int64)
         host[0, n:], host[1, n:], host[2, n:] = self.dummy_slot, 0, 1
         host[0, :n], host[1, :n], host[2, :n] = slots, positions, depths
-        source = torch.from_numpy(host)
-        if self.runner.device.type == "cuda":
-            source = source.pin_memory()
-        self._index[rows].copy_(source, non_blocking=True)
-        graph.replay()
+        index = self._index[rows]
+        self.runner.upload_into(index, host)
+        return StagedPass(graph, key, n, index[:, :n])
+
+    def replay(self, staged: StagedPass) -> None:
+        """Run a staged pass (its static inputs hold its rows until the next stage of its bucket)."""
+        staged.graph.replay()
         stats = self.stats
+        rows, width = staged.key
         stats.replays += 1
-        stats.rows += n
-        stats.padded_rows += rows - n
+        stats.rows += staged.num_rows
+        stats.padded_rows += rows - staged.num_rows
         name = f"{rows}x{width}"
         stats.buckets[name] = stats.buckets.get(name, 0) + 1
-        return True
 
     def _pass(self, rows: int, width: int) -> None:
         """The captured function: one loop pass of the bucket's static rows."""

@@ -25,7 +25,16 @@ does nothing if that row ended its request.
 
 The loop itself is host-driven: the exit test and the boundary run as eager torch ops on the
 state a pass left (a graph replay when one fits), and the host reads back a few bytes per pass to
-choose the next pass's rows. Nothing else leaves the device until the StepResult is built.
+choose the next pass's rows. Nothing else leaves the device until the StepResult is built. The host
+keeps the rows' columns and sends each pass's rows in one copy (`ModelRunner.pass_columns`: into the
+graph's static inputs when a graph runs the pass, and the exit test reads them there); what the test
+reads per slot (limits, threshold, exit state) stays on the device in `DecodeCursors.loop_limits` and
+`exit_values`, written at the plan's start, by the test, and at each PRELUDE, so a pass needs no
+other upload:
+
+    per pass       1 upload (slots, positions, depths)        1 readback (exits)
+    per boundary   ≤ 3 uploads (FINALIZE, CODA, PRELUDE)      1 readback (tokens)
+    per plan       + 2 uploads (the rows' exit-test columns, the exit states of the rows reported RECURRENT)
 """
 
 from __future__ import annotations
@@ -44,6 +53,8 @@ if TYPE_CHECKING:
     from rlt_worker.model_runner import ModelRunner
 
 INITIAL_EXIT_STATE = 1.0  # a position's exit state before its first loop (∏ (1 − λ) over no loop)
+# Columns of DecodeCursors.loop_limits (int64) and .exit_values (float64): what the exit test reads of a slot.
+MIN_LOOPS, MAX_LOOPS = THRESHOLD, EXIT_STATE = range(2)
 
 
 class ContinuationError(RuntimeError):
@@ -61,7 +72,10 @@ class DecodeCursors:
         self.indices = np.zeros(num_slots, dtype=np.int64)
         self.ended = np.zeros(num_slots, dtype=bool)  # a token ended the slot's request
         self.is_set = np.zeros(num_slots, dtype=bool)  # the slot has run a DecodeBatch row
-        self.exit_states = torch.ones(num_slots, dtype=torch.float64, device=device)
+        # What the exit test reads of each slot, gathered once per pass: int64 [slots, 2] min_loops and
+        # max_loops; float64 [slots, 2] threshold and exit state (the test's, as the rows run).
+        self.loop_limits = torch.ones(num_slots, 2, dtype=torch.int64, device=device)
+        self.exit_values = torch.ones(num_slots, 2, dtype=torch.float64, device=device)
 
     def reset(self, slot: int) -> None:
         """A slot opened (admit or swap import): it has no DecodeBatch row behind it yet."""
@@ -85,8 +99,6 @@ class _Rows:
     stop_ids: list[frozenset[int]]
     running: np.ndarray  # bool: may still loop or do boundary work in this plan
     finished: np.ndarray  # bool: a token ended its request
-    exit_states: torch.Tensor  # float64 [rows] on the device
-    limits: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # min_loops, max_loops, thresholds on the device
 
 
 class DecodeLoop:
@@ -131,7 +143,6 @@ class DecodeLoop:
         slots = np.asarray(runner.slots_of(batch.col("keys"), batch.col("generations")), dtype=np.int64)
         options = [runner.slot_options[slot] for slot in slots.tolist()]
         n = len(slots)
-        min_loops, max_loops = runner.upload(batch.col("min_loops"), batch.col("max_loops"))
         rows = _Rows(
             keys=batch.col("keys"), generations=batch.col("generations"), slots=slots,
             positions=batch.col("positions").astype(np.int64), depths=batch.col("depths").astype(np.int64),
@@ -140,11 +151,23 @@ class DecodeLoop:
             last_index=np.array([o.max_tokens - 1 for o in options], dtype=np.int64),
             stop_ids=[frozenset(o.stop_token_ids) for o in options],
             running=np.ones(n, dtype=bool), finished=np.zeros(n, dtype=bool),
-            exit_states=self._floats(batch.col("exit_states")),
-            limits=(min_loops, max_loops, self._floats(batch.col("thresholds"))),
         )
-        self._continue_rows(rows, np.flatnonzero(batch.col("continues") > 0))
+        continues = batch.col("continues") > 0
+        self._continue_rows(rows, np.flatnonzero(continues))
+        self._write_exit_inputs(batch, slots, continues)
         return rows
+
+    def _write_exit_inputs(self, batch: DecodeBatch, slots: np.ndarray, continues: np.ndarray) -> None:
+        """The limits, thresholds and exit states of the rows that do not continue into their slots'
+        columns, in one upload (the float64 columns travel as their int64 bits)."""
+        n, cursors = len(slots), self.runner.decode_cursors
+        limits = np.column_stack([batch.col("min_loops"), batch.col("max_loops")])
+        values = np.column_stack([batch.col("thresholds"), batch.col("exit_states")]).astype(np.float64)
+        device_slots, device_limits, bits, device_continues = self.runner.upload(
+            slots, limits, values.view(np.int64), continues)
+        keep = device_continues[:, None] > 0  # a row that continues keeps its slot's
+        for table, fresh in ((cursors.loop_limits, device_limits), (cursors.exit_values, bits.view(torch.float64))):
+            table[device_slots] = torch.where(keep, table[device_slots], fresh.reshape(n, 2))
 
     def _continue_rows(self, rows: _Rows, continuing: np.ndarray) -> None:
         """Rows that `continue` take their slot's cursor instead of the batch's columns."""
@@ -161,11 +184,6 @@ class DecodeLoop:
         rows.indices[continuing] = cursors.indices[slots]
         rows.running[continuing] = ~ended
         rows.finished[continuing] = ended  # nothing to do, nothing to report
-        device_rows, device_slots = self.runner.upload(continuing, slots)
-        rows.exit_states[device_rows] = cursors.exit_states[device_slots]
-
-    def _floats(self, column: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(column.astype(np.float64)).to(self.runner.device)
 
     # ------------------------------------------------------------------ passes
 
@@ -175,14 +193,17 @@ class DecodeLoop:
         rows.depths[looping] += 1
         slots, positions, depths = rows.slots[looping], rows.positions[looping], rows.depths[looping]
         width = runner.table_width(positions)
-        device_slots, device_positions, device_depths, device_rows = runner.upload(slots, positions, depths, looping)
-        previous = runner.state[device_slots] if self.test.needs_previous_state else None
-        runner.loop_pass(slots, positions, depths, width, (device_slots, device_positions, device_depths))
-        min_loops, max_loops, thresholds = (limit[device_rows] for limit in rows.limits)
-        pass_rows = PassRows(device_slots, device_positions, device_depths, min_loops, max_loops, thresholds, width)
-        exits, states = self.test.decide(runner, pass_rows, previous, rows.exit_states[device_rows])
-        rows.exit_states[device_rows] = states
-        return looping[exits.cpu().numpy()]  # the pass's readback: which rows go to their boundary
+        columns = runner.pass_columns(slots, positions, depths)  # the pass's one upload
+        previous = runner.state[columns.slots] if self.test.needs_previous_state else None
+        runner.loop_pass(slots, positions, depths, width, columns)
+        cursors = runner.decode_cursors
+        limits, values = cursors.loop_limits[columns.slots], cursors.exit_values[columns.slots]
+        pass_rows = PassRows(columns.slots, columns.positions, columns.depths, limits[:, MIN_LOOPS],
+                             limits[:, MAX_LOOPS], values[:, THRESHOLD], width)
+        exits, states = self.test.decide(runner, pass_rows, previous, values[:, EXIT_STATE])
+        if self.test.updates_exit_state:
+            cursors.exit_values[columns.slots, EXIT_STATE] = states
+        return looping[self.runner.read_back(exits)]  # the pass's readback: which rows go to their boundary
 
     def _after_prefill(self, waiting: np.ndarray, results: ResultBuilder) -> np.ndarray:
         """The riding chunks' last loops done (alone if no pass is left to ride), the boundary work of
@@ -206,7 +227,7 @@ class DecodeLoop:
         self.runner.finalize_rows(slots[shallow], positions[shallow], depths[shallow])
         tokens, logprobs = self.runner.sample_rows(slots, positions, rows.seeds[exited].view(np.int64),
                                                    rows.indices[exited])
-        host_tokens = tokens.cpu().numpy()  # the boundary's readback: stop tokens end their rows
+        host_tokens = self.runner.read_back(tokens)  # the boundary's readback: stop tokens end their rows
         results.add(Stage.DECODE, rows.keys[exited], rows.generations[exited], depths=depths, tokens=host_tokens,
                     logprobs=logprobs)
         stopped = np.array([t in rows.stop_ids[r] for t, r in zip(host_tokens.tolist(), exited.tolist(),
@@ -225,8 +246,8 @@ class DecodeLoop:
         rows.indices[going_on] += 1
         rows.depths[going_on] = 0
         rows.exited[going_on] = False
-        rows.exit_states[torch.from_numpy(going_on).to(self.runner.device)] = INITIAL_EXIT_STATE
-        self.runner.embed_rows(rows.slots[going_on], rows.positions[going_on], rows.seeds[going_on])
+        device_slots = self.runner.embed_rows(rows.slots[going_on], rows.positions[going_on], rows.seeds[going_on])
+        self.runner.decode_cursors.exit_values[device_slots, EXIT_STATE] = INITIAL_EXIT_STATE
         self._stop_unless_completable(going_on)
 
     def _stop_unless_completable(self, indices: np.ndarray) -> None:
@@ -246,7 +267,8 @@ class DecodeLoop:
         looping = np.flatnonzero(~rows.finished & ~rows.exited)
         exited = np.flatnonzero(~rows.finished & rows.exited)
         if len(looping):
-            states = rows.exit_states[torch.from_numpy(looping).to(self.runner.device)]
+            (device_slots,) = self.runner.upload(rows.slots[looping])
+            states = self.runner.decode_cursors.exit_values[device_slots, EXIT_STATE]
             results.add(Stage.RECURRENT, rows.keys[looping], rows.generations[looping], depths=rows.depths[looping],
                         exit_states=states)
         if len(exited):
@@ -258,6 +280,4 @@ class DecodeLoop:
         slots = rows.slots
         cursors.positions[slots], cursors.depths[slots] = rows.positions, rows.depths
         cursors.exited[slots], cursors.indices[slots] = rows.exited, rows.indices
-        cursors.ended[slots], cursors.is_set[slots] = rows.finished, True
-        (device_slots,) = self.runner.upload(slots)
-        cursors.exit_states[device_slots] = rows.exit_states
+        cursors.ended[slots], cursors.is_set[slots] = rows.finished, True  # exit states: in exit_values already

@@ -46,6 +46,7 @@ class DeviceExitTest:
     """Base: decides after each loop; `exit_states` is the test's per-row state (unused here)."""
 
     needs_previous_state = False  # whether `decide` reads the state before the pass
+    updates_exit_state = False  # whether `decide` returns new exit states (else it returns them unchanged)
 
     def decide(
         self, runner: ModelRunner, rows: PassRows, previous: torch.Tensor | None, exit_states: torch.Tensor
@@ -56,6 +57,8 @@ class DeviceExitTest:
 
 class OuroTest(DeviceExitTest):
     """Cumulative hazard of the Ouro gate: remaining = ∏ (1 − λ) over the position's loops."""
+
+    updates_exit_state = True
 
     def decide(
         self, runner: ModelRunner, rows: PassRows, previous: torch.Tensor | None, exit_states: torch.Tensor

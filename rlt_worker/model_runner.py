@@ -50,7 +50,7 @@ from protocol.messages import (
     StepResult,
 )
 from rlt_worker.attention import get_backend
-from rlt_worker.cuda_graphs import LoopPassGraphs
+from rlt_worker.cuda_graphs import LoopPassGraphs, StagedPass
 from rlt_worker.decode_loop import DecodeCursors, DecodeLoop
 from rlt_worker.kv_storage import LAST_EXITED, KVStorage
 from rlt_worker.models.base import LoopedModel
@@ -82,6 +82,16 @@ class RunnerConfig:
     graph_capture: str = "lazy"  # "startup": every graph bucket in the constructor | "lazy": at first use
     prefill_graphs: bool = False  # PREFILL chunk loop passes from CUDA graphs too (with cuda_graphs)
     max_batch_tokens: int = 0  # token rows of a plan's largest batch: the prefill graphs' largest bucket
+
+
+@dataclass(frozen=True)
+class PassColumns:
+    """A loop pass's rows on the device (int64 [n] each), and the staged graph that runs them (None: eager)."""
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    depths: torch.Tensor
+    staged: StagedPass | None
 
 
 class ModelRunner:
@@ -335,6 +345,17 @@ class ModelRunner:
             device = host.to(self.device)
         return list(torch.split(device, [len(a) for a in arrays])) if len(arrays) > 1 else [device]
 
+    def upload_into(self, static: torch.Tensor, host: np.ndarray) -> None:
+        """Write a host array into a device buffer of its shape (a graph's static inputs) in one
+        host→device copy, pinned and asynchronous on CUDA as `upload`'s."""
+        source = torch.from_numpy(host)
+        static.copy_(source.pin_memory() if self._pin else source, non_blocking=True)
+
+    def read_back(self, values: torch.Tensor) -> np.ndarray:
+        """A device tensor's values on the host: waits for the work queued before it (the decode loop's
+        readbacks, which choose its next rows)."""
+        return values.cpu().numpy()
+
     def _loop_plane(self, depths: torch.Tensor) -> torch.Tensor:
         return depths - 1 if self.config.kv_layout == LAST_EXITED else torch.zeros_like(depths)
 
@@ -442,9 +463,9 @@ class ModelRunner:
 
     def embed_rows(
         self, row_slots: np.ndarray, host_positions: np.ndarray, seeds: np.ndarray, given: np.ndarray | None = None
-    ) -> None:
+    ) -> torch.Tensor:
         """PRELUDE: embed each row's input token (`given`, or −1 / None: the token its slot's last CODA
-        sampled) at its position and start its state (loop depth 0)."""
+        sampled) at its position and start its state (loop depth 0); returns the rows' slots on the device."""
         slots, positions, *uploaded = self.upload(row_slots, host_positions, *([] if given is None else [given]))
         tokens = self.tokens[slots] if not uploaded else torch.where(uploaded[0] >= 0, uploaded[0], self.tokens[slots])
         context = self.context(slots, positions, None, self.table_width(host_positions))
@@ -452,24 +473,40 @@ class ModelRunner:
         self.state[slots] = self.initial_state(embedded, seeds, positions)
         self.embedded[slots] = embedded
         self._reset_kl(slots)
+        return slots
+
+    def pass_columns(self, row_slots: np.ndarray, host_positions: np.ndarray, depths: np.ndarray) -> PassColumns:
+        """A loop pass's rows on the device in one host→device copy: into the static inputs of the graph
+        that will run the pass when one fits, else a plain upload (an eager pass)."""
+        staged = None
+        if self._graphs is not None:
+            if self.has_riding_loops:
+                self._graphs.stats.mixed_passes += 1  # a graph holds fixed rows: a pass with chunks runs eagerly
+            else:
+                staged = self._graphs.stage(row_slots, host_positions, depths)
+        if staged is None:
+            return PassColumns(*self.upload(row_slots, host_positions, depths), staged=None)
+        slots, positions, device_depths = staged.columns
+        return PassColumns(slots, positions, device_depths, staged)
 
     def loop_pass(
         self, row_slots: np.ndarray, host_positions: np.ndarray, depths: np.ndarray, width: int,
-        uploaded: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        columns: PassColumns | None = None,
     ) -> None:
         """One loop of each row at its own depth (a graph replay when one fits), with the plan's riding
         prompt chunks' next loop when they have one left (mixed batches: one eager pass over both);
-        `uploaded`: the three columns already on the device."""
+        `columns`: the rows already on the device (pass_columns)."""
         riding = self._riding if self.has_riding_loops else None
         if self.pass_listener is not None:
             self._report_pass(row_slots, host_positions, depths, riding)
-        if self._graphs is not None:
-            if riding is not None:
-                self._graphs.stats.mixed_passes += 1  # a graph holds fixed rows: a pass with chunks runs eagerly
-            elif self._graphs.run(row_slots, host_positions, depths):
-                return
-        slots, positions, device_depths = uploaded or self.upload(row_slots, host_positions, depths)
-        context = self.context(slots, positions, device_depths, width)
+        if columns is None:
+            columns = self.pass_columns(row_slots, host_positions, depths)
+        if columns.staged is not None:
+            assert self._graphs is not None
+            self._graphs.replay(columns.staged)
+            return
+        slots, positions = columns.slots, columns.positions
+        context = self.context(slots, positions, columns.depths, width)
         state, embedded = self.state[slots], self.embedded[slots]
         if riding is None:
             self.state[slots] = self.model.loop(state, embedded, positions, context)

@@ -251,10 +251,7 @@ class PrefillGraphs:
     def _upload(self, key: tuple[int, int], layout: PrefillLayout) -> StaticChunks:
         """Write a layout into the bucket's static metadata (one host→device copy); its views."""
         static = self._views(key)
-        source = torch.from_numpy(layout.packed())
-        if self.runner.device.type == "cuda":
-            source = source.pin_memory()
-        static.metadata.copy_(source, non_blocking=True)
+        self.runner.upload_into(static.metadata, layout.packed())
         return static
 
     def _warm_up(self, key: tuple[int, int]) -> None:

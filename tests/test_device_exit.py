@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import msgspec
 import pytest
@@ -37,7 +38,7 @@ from factories import (
     run_workload,
 )
 
-from protocol.messages import ExitTest, SamplingParams
+from protocol.messages import DecodeBatch, ExitTest, PrefillBatch, SamplingParams
 from rlt_engine.exit_policy import OuroExit
 from rlt_worker.exit_tests import PassRows, make_exit_test
 
@@ -273,6 +274,33 @@ def test_emulated_pass_graphs_with_exits_in_the_worker(mode: str) -> None:
         stats = runner.graph_stats
     assert stats["replays"] > 0 and stats["eager_passes"] == 0
     assert (stats["coda_replays"] > 0) == (mode == "ouro")
+
+
+# ------------------------------------------------------------------------------- plan length
+
+
+def test_plans_run_at_most_d_passes_while_a_prompt_is_pending() -> None:
+    """loops_per_plan 4·D, two slots for seven staggered requests (some wait to be placed): every plan
+    built while a request waits or carries a prompt chunk runs at most D passes (its first token, or
+    the waiting one's placement, comes with that plan's result), the others 4·D; the outputs are the
+    reference's."""
+    depth = DEPTH["toy-ouro"]
+    jobs = make_workload(random.Random("pending-prompts"), 7, depth=depth, exit_mode="ouro", threshold=0.5,
+                         sampling=tuple(SAMPLING), max_prompt_len=10, max_tokens=12, spread=1)
+    with make_llm("toy-ouro", exit_mode="ouro", loops_per_plan=4 * depth, max_num_seqs=2) as llm:
+        waiting: list[bool] = []  # per plan: whether a request was left waiting when it was built
+        llm.engine.add_plan_listener(lambda worker, plan: waiting.append(bool(llm.engine.scheduler.waiting)))
+        run = run_workload(llm, jobs)
+        assert_matches_reference(run, "toy-ouro", kv_layout="last_exited", exit_mode="ouro")
+    pending, passes = [], []
+    for plan, left_waiting in zip(run.plans, waiting, strict=True):
+        decode = [b.max_passes for b in plan.batches if isinstance(b, DecodeBatch)]
+        if decode:
+            pending.append(left_waiting or any(isinstance(b, PrefillBatch) for b in plan.batches))
+            passes.append(decode[0])
+    assert passes == [depth if p else 4 * depth for p in pending]
+    assert any(waiting) and any(pending) and not all(pending)
+    assert max(Counter(p.step_id for p in run.passes).values()) > depth  # the others do run more than D
 
 
 # ------------------------------------------------------------------------------- blocks ahead

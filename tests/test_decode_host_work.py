@@ -1,0 +1,129 @@
+"""The host's work in the worker's decode loop (rlt_worker/decode_loop.py), counted on the CPU.
+
+Structure, never time: every host→device copy goes through the runner's `upload` / `upload_into`
+and every readback of the decode loop through its `read_back`, so wrapping those three counts them.
+Per loop pass one upload (into the graph's static inputs when a graph runs it) and one readback
+(its exits); per boundary one readback (its tokens) and at most three uploads (FINALIZE, CODA,
+PRELUDE; Huginn's random state init adds its seeds); per plan besides at most two (the rows'
+exit-test columns, the exit states of the rows it reports). The outputs stay the dense reference's.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from factories import DEPTH, assert_matches_reference, make_llm, make_workload, run_workload
+
+from rlt_worker.decode_loop import DecodeLoop
+from rlt_worker.model_runner import ModelRunner
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@dataclass
+class Phase:
+    """The copies one call of a decode loop phase made."""
+
+    uploads: int = 0
+    readbacks: int = 0
+
+
+@dataclass
+class HostWork:
+    """Copies per phase of every DecodeBatch run: each pass, each boundary, and the rest of each plan
+    (a copy counts in the innermost phase it happens in)."""
+
+    passes: list[Phase] = field(default_factory=list)
+    boundaries: list[Phase] = field(default_factory=list)
+    plans: list[Phase] = field(default_factory=list)
+    current: Phase | None = None  # where copies are counted now (None: outside decode loops)
+
+    def counted(self, phases: list[Phase], method: Callable) -> Callable:
+        """`method` of DecodeLoop, its copies counted into a new entry of `phases`."""
+        def wrapper(loop: DecodeLoop, *args: object) -> object:
+            outer, self.current = self.current, Phase()
+            phases.append(self.current)
+            try:
+                return method(loop, *args)
+            finally:
+                self.current = outer
+        return wrapper
+
+    def counting(self, kind: str, method: Callable) -> Callable:
+        def wrapper(*args: object) -> object:
+            if self.current is not None:
+                setattr(self.current, kind, getattr(self.current, kind) + 1)
+            return method(*args)
+        return wrapper
+
+
+@contextmanager
+def count_host_work(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> Iterator[HostWork]:
+    """Count the copies of every DecodeBatch the runner runs while the context is open."""
+    work = HostWork()
+    for name, kind in (("upload", "uploads"), ("upload_into", "uploads"), ("read_back", "readbacks")):
+        monkeypatch.setattr(runner, name, work.counting(kind, getattr(runner, name)))
+    # A boundary inside a boundary does not happen; _next_position's PRELUDE counts as its boundary's.
+    monkeypatch.setattr(DecodeLoop, "run", work.counted(work.plans, DecodeLoop.run))
+    monkeypatch.setattr(DecodeLoop, "_pass", work.counted(work.passes, DecodeLoop._pass))
+    monkeypatch.setattr(DecodeLoop, "_boundary", work.counted(work.boundaries, DecodeLoop._boundary))
+    yield work
+
+
+CASES = [("toy-ouro", "ouro", "last_exited", True), ("toy-ouro", "ouro", "last_exited", False),
+         ("toy-ouro", "ouro_delayed", "shared", True), ("toy-huginn", "latent_diff", "last_exited", False)]
+
+
+@pytest.mark.parametrize("model,mode,kv_layout,graphs", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_one_upload_and_one_readback_per_pass(model: str, mode: str, kv_layout: str, graphs: bool,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plans of 4·D passes, with (emulated) pass and CODA graphs or eagerly: every pass uploads once
+    and reads back once, every boundary that samples reads back once and uploads at most three
+    times (two in the shared layout: no FINALIZE; one more for Huginn's random state init), and each
+    plan adds at most two uploads."""
+    depth = DEPTH[model]
+    jobs = make_workload(random.Random(f"host-work-{mode}"), 6, depth=depth, exit_mode=mode, threshold=0.4,
+                         sampling=("greedy", "top_p"), max_prompt_len=8, max_tokens=9, vary_limits=True, spread=1)
+    with make_llm(model, exit_mode=mode, kv_layout=kv_layout, loops_per_plan=4 * depth, max_num_seqs=4) as llm:
+        runner = llm.engine.executor._worker.runner
+        if graphs:
+            runner.use_pass_graphs(emulate=True)
+        with count_host_work(runner, monkeypatch) as work:
+            run = run_workload(llm, jobs)
+        assert_matches_reference(run, model, kv_layout=kv_layout, exit_mode=mode)
+    # CODA and PRELUDE, FINALIZE in the last_exited layout, Huginn's random state init its seeds
+    assert_host_work(work, most_boundary_uploads=2 + (kv_layout == "last_exited") + (model == "toy-huginn"))
+
+
+def assert_host_work(work: HostWork, most_boundary_uploads: int) -> None:
+    assert len(work.passes) > len(work.plans) > 0
+    assert all((p.uploads, p.readbacks) == (1, 1) for p in work.passes)
+    sampling = [b for b in work.boundaries if b.readbacks]
+    assert len(sampling) >= len(work.plans)
+    assert all(b.readbacks == 1 and 1 <= b.uploads <= most_boundary_uploads for b in sampling)
+    assert all((b.uploads, b.readbacks) == (0, 0) for b in work.boundaries if not b.readbacks)
+    assert all(p.uploads <= 2 and not p.readbacks for p in work.plans)  # outside its passes and boundaries
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_same_counts_on_cuda_with_captured_graphs(compiled: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """toy-ouro in float32 on CUDA (Triton, captured pass and CODA graphs, 4·D passes per plan, pinned
+    asynchronous copies): the CPU's counts; every pass a graph replay. (Its tokens against the eager
+    run: tests/test_gpu.py::test_toy_graphs_and_multi_loop_match_eager.)"""
+    depth = DEPTH["toy-ouro"]
+    jobs = make_workload(random.Random("host-work-cuda"), 6, depth=depth, exit_mode="ouro", threshold=0.4,
+                         sampling=("greedy", "top_p"), max_prompt_len=8, max_tokens=9, spread=1)
+    with make_llm("toy-ouro", exit_mode="ouro", device="cuda", dtype="float32", attention_backend="triton",
+                  cuda_graphs=True, loops_per_plan=4 * depth, max_num_seqs=4) as llm:
+        runner = llm.engine.executor._worker.runner
+        with count_host_work(runner, monkeypatch) as work:
+            run_workload(llm, jobs)
+        stats = runner.graph_stats
+    assert stats is not None and stats["replays"] == len(work.passes) and stats["eager_passes"] == 0
+    assert_host_work(work, most_boundary_uploads=3)
