@@ -1,6 +1,6 @@
 """Micro-benchmark of the Triton GEMV (rlt_worker/kernels/gemv.py) against F.linear at Ouro-1.4B's loop shapes.
 
-    python scripts/bench_gemv.py [--sweep] [--rows 1,2,4,8,16,32] [--json out.json]
+    python scripts/bench_gemv.py [--sweep] [--json out.json]
 
 The four weights of a decoder layer as FusedOuroModel packs them (bf16): q|k|v [6144, 2048],
 o [2048, 2048], gate|up [11264, 2048], down [2048, 5632], at M ∈ {1, 2, 4, 8, 16, 32} rows. Per
@@ -41,7 +41,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--sweep", action="store_true", help="time block/warp settings per shape and print the best")
-    p.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M (on the GPU)")
     p.add_argument("--json", help="also write the results to this file")
     return p.parse_args(argv)
 
@@ -107,7 +106,7 @@ def sweep(x: torch.Tensor, w: torch.Tensor, ms: Callable) -> tuple[GemvConfig, f
 def run(args: argparse.Namespace) -> list[dict]:
     cuda = args.device.startswith("cuda")
     ms = timer(cuda)
-    shapes, rows_list = (SHAPES, [int(r) for r in args.rows.split(",")]) if cuda else (SMOKE_SHAPES, SMOKE_ROWS)
+    shapes, rows_list = (SHAPES, ROWS) if cuda else (SMOKE_SHAPES, SMOKE_ROWS)
     gen = torch.Generator(device=args.device).manual_seed(0)
     results = []
     for (name, (n, k)), rows in itertools.product(shapes.items(), rows_list):
