@@ -18,8 +18,7 @@ Defaults: synthetic-ouro-1.4b, rows 1 and 32, every row at position context−1 
 
 Both paths share one KV pool of random K/V (only values read by attention; both write their own
 K/V of the pass at the same slots). The bytes a pass must read (loop weights + the context's K/V)
-are printed with the time they take at `--hbm-tbps`. `--gemv-max-rows N` builds the fused path with
-the Triton GEMV for passes of at most N rows (rlt_worker/kernels/gemv.py; 0: cuBLAS only).
+are printed with the time they take at `--hbm-tbps`.
 
 `--device cpu --model toy-ouro --dtypes float32` runs the same code under Triton's interpreter with
 emulated graphs (a smoke test of the script; its times mean nothing).
@@ -48,9 +47,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for the bytes floor (H200: 4.8 TB/s)")
     p.add_argument("--top", type=int, default=0, help="print the N kernel names with the most GPU time per path")
-    p.add_argument("--gemv-max-rows", type=int, default=None,
-                   help="the fused path's GEMV bound (rows at or below run the Triton GEMV; 0: cuBLAS only); "
-                        "default: ouro_fused.GEMV_MAX_ROWS")
     p.add_argument("--json", default=None, help="write the results here")
     return p.parse_args(argv)
 
@@ -87,8 +83,7 @@ class Setup:
         self.storage = KVStorage(info, num_blocks + 1, args.block_size, dtype, device)
         gen = torch.Generator(device=device).manual_seed(0)
         self.storage.pool.normal_(generator=gen)
-        # Packs the reference's weights in place (views); --gemv-max-rows None keeps ouro_fused.GEMV_MAX_ROWS.
-        self.fused = FusedOuroModel(self.reference, args.gemv_max_rows)
+        self.fused = FusedOuroModel(self.reference)  # packs the reference's weights in place (views)
         planes = num_planes(info, "last_exited", self.depth)
         self.runners = {name: self._runner(model, planes, max_rows, num_blocks)
                         for name, model in (("torch", self.reference), ("fused", self.fused))}
@@ -217,8 +212,7 @@ def main(args: argparse.Namespace) -> dict:
     dtype_names = args.dtypes.split(",")
     cuda = args.device.startswith("cuda")
     report: dict = {"model": args.model, "device": torch.cuda.get_device_name() if cuda else "cpu",
-                    "torch": torch.__version__, "context": args.context,
-                    "passes": [], "parity": [], "coda": []}
+                    "torch": torch.__version__, "context": args.context, "passes": [], "parity": [], "coda": []}
     try:
         import triton
 
@@ -227,7 +221,6 @@ def main(args: argparse.Namespace) -> dict:
         pass
     for d, dtype_name in enumerate(dtype_names):
         setup = Setup(args, DTYPES[dtype_name], max(rows_list))
-        report["gemv_max_rows"] = setup.fused.gemv_max_rows
         layers = setup.info.num_loop_kv_layers
         for rows in rows_list:
             outs = {name: setup.run_pass(name, rows, args.context) for name in setup.runners}
@@ -259,8 +252,7 @@ def main(args: argparse.Namespace) -> dict:
 
 def print_report(report: dict, hbm_tbps: float) -> None:
     print(f"{report['model']} on {report['device']} (torch {report['torch']}, triton {report.get('triton')}), "
-          f"context {report['context']}, one loop pass per replay, fused path's gemv_max_rows "
-          f"{report['gemv_max_rows']}")
+          f"context {report['context']}, one loop pass per replay")
     print(f"{'path':6} {'dtype':9} {'rows':>4} {'bucket':>7} {'kernels':>8} {'/layer':>7} {'GPU ms p50':>10} "
           f"{'p10':>7} {'p90':>7} {'bytes floor ms':>15}")
     for p in report["passes"]:

@@ -3,9 +3,7 @@
 - float32, synthetic-ouro-1.4b, fixed / trace / ouro (threshold 0.5): the benchmark's correctness
   gate (rlt_engine/bench/gate.py: tokens and exit depths equal to the torch path's — torch attention,
   torch modules, eager, one loop per plan — up to a near-tie within 1e-4 nats, found by teacher
-  forcing) passes for the fused engine, for the fused engine with the Triton GEMV on every decode
-  pass (ouro_fused.GEMV_MAX_ROWS set to max_num_seqs for the engine's construction), and for the
-  torch-modules engine with graphs beside it.
+  forcing) passes for the fused engine, and for the torch-modules engine with graphs beside it.
 - bf16, the same model, 32 requests: every CODA's logits of the fused path against the torch
   modules' (both Triton attention + graphs; CODA eager there, since the logits are recorded from
   lm_head calls) within bf16 tolerance; no capture while serving.
@@ -24,7 +22,6 @@ from test_gpu import _free_cuda, _record_logits
 from protocol.messages import SamplingParams
 from rlt_engine import LLM
 from rlt_engine.bench import gate
-from rlt_worker.models import ouro_fused
 from rlt_worker.models.ouro_fused import FusedOuroModel
 
 pytestmark = [
@@ -52,29 +49,19 @@ def _gate_jobs(mode: str) -> object:
     return make
 
 
-# (fused_layers, GEMV bound: None keeps ouro_fused.GEMV_MAX_ROWS; 8 = max_num_seqs puts every decode pass on it)
-ENGINES = [(True, None), (True, 8), (False, None)]
-
-
 @pytest.mark.parametrize("mode", ["fixed", "trace", "ouro"])
 def test_float32_gate_fused_and_torch_modules(mode: str) -> None:
     options = dict(device="cuda", dtype="float32", exit_mode=mode, max_num_seqs=8, num_blocks=1024)
     reference = gate.reference_run(MODEL, options, _gate_jobs(mode))
     _free_cuda()
-    for fused, gemv_max_rows in ENGINES:
-        with pytest.MonkeyPatch.context() as patch:
-            if gemv_max_rows is not None:
-                patch.setattr(ouro_fused, "GEMV_MAX_ROWS", gemv_max_rows)  # read once, at FusedOuroModel's construction
-            with LLM(MODEL, workers=0, fused_layers=fused, **options) as llm:
-                runner = llm.engine.executor._worker.runner
-                assert isinstance(runner.model, FusedOuroModel) == fused
-                if fused and gemv_max_rows is not None:
-                    assert runner.model.gemv_max_rows == gemv_max_rows
-                result = gate.check(llm, reference, "float32")
-                stats = runner.graph_stats
+    for fused in (True, False):
+        with LLM(MODEL, workers=0, fused_layers=fused, **options) as llm:
+            runner = llm.engine.executor._worker.runner
+            assert isinstance(runner.model, FusedOuroModel) == fused
+            result = gate.check(llm, reference, "float32")
+            stats = runner.graph_stats
         _free_cuda()
-        print(f"\n{MODEL} float32 {mode}, fused_layers={fused}, gemv_max_rows={gemv_max_rows}: {result.summary()}; "
-              f"graphs {stats}")
+        print(f"\n{MODEL} float32 {mode}, fused_layers={fused}: {result.summary()}; graphs {stats}")
         assert result.passed, result.summary()
         assert stats["lazy_captures"] == 0 and stats["eager_passes"] == 0, stats
         assert stats["coda_replays"] > 0, stats  # CODA (head + sampling) from graphs, gate or not

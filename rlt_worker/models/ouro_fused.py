@@ -24,10 +24,6 @@ state_dict, under `reference.`) are unchanged.
 The kernels round as the torch modules do (rlt_worker/kernels/fused_ops.py), but the mean of
 squares and the packed GEMMs reduce in other orders, so results equal the reference's up to the
 last bit of fp32 (SPEC §7a), not bit for bit. Chosen once, by the worker (`fused_layers`).
-
-The four GEMMs go through one `RowBoundLinear` chosen at construction: the Triton GEMV
-(rlt_worker/kernels/gemv.py) for passes of at most `gemv_max_rows` rows, cuBLAS above. A CUDA
-graph fixes its row count at capture, so each graph holds one or the other.
 """
 
 from __future__ import annotations
@@ -37,19 +33,15 @@ import logging
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from rlt_worker.kernels.fused_ops import add_rmsnorm, rope_qk, rope_table, swiglu
-from rlt_worker.kernels.gemv import RowBoundLinear
 
 from .base import AttentionContext, LayerId, LoopedModel, Rotary, RotaryAttentionContext
 from .ouro import OuroDecoderLayer, OuroModel
 
 log = logging.getLogger("rlt.worker")
-
-# Passes of at most this many rows run their projections through the Triton GEMV; 0: always cuBLAS.
-# Off until a GPU measurement of the decode pass (scripts/profile_decode_pass.py --gemv-max-rows) sets it.
-GEMV_MAX_ROWS = 0
 
 
 class PackedLayer(NamedTuple):
@@ -96,7 +88,7 @@ def pack_layer(layer: OuroDecoderLayer) -> PackedLayer:
 class FusedOuroModel(LoopedModel):
     """The stage API of a loaded OuroModel, with `loop` through the fused kernels (module docstring)."""
 
-    def __init__(self, reference: OuroModel, gemv_max_rows: int | None = None) -> None:
+    def __init__(self, reference: OuroModel) -> None:
         super().__init__()
         self.reference = reference
         self.config = reference.config
@@ -105,18 +97,11 @@ class FusedOuroModel(LoopedModel):
         self._heads, self._kv_heads, self._head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self._eps = cfg.rms_norm_eps
         self._layers = [pack_layer(layer) for layer in reference.model.layers]
-        # The GEMV bound, read once here (None: the module's GEMV_MAX_ROWS, as it is at construction).
-        self._linear = RowBoundLinear(GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows)
         self._final_norm = reference.model.norm.weight.detach()  # a plain tensor: not a parameter of this module
         weight = self._final_norm
         # Every position the model supports, as split_half_cos_sin computes it (fp32, then cast).
         self._cos, self._sin = rope_table(cfg.max_position_embeddings, cfg.head_dim, cfg.rope_theta, weight.dtype,
                                           weight.device)
-
-    @property
-    def gemv_max_rows(self) -> int:
-        """Passes of at most this many rows run their projections through the Triton GEMV (0: none)."""
-        return self._linear.max_rows
 
     def embed(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """The reference's embedding."""
@@ -132,15 +117,15 @@ class FusedOuroModel(LoopedModel):
         """All L decoder layers then `model.norm`, through the fused kernels."""
         n = state.shape[0]
         heads, kv_heads, head_dim, eps = self._heads, self._kv_heads, self._head_dim, self._eps
-        layers, linear = self._layers, self._linear
+        layers = self._layers
         rope = Rotary(positions, self._cos, self._sin, heads, kv_heads, head_dim)
         attend_rotary = (ctx.attend_rotary if isinstance(ctx, RotaryAttentionContext)
                          else functools.partial(rope_then_attend, ctx))
         x, y = add_rmsnorm(state, None, None, layers[0].input_norm, eps)
         for i, w in enumerate(layers):
-            attn = attend_rotary(w.layer, linear(y, w.qkv), rope).reshape(n, heads * head_dim)
-            x, y = add_rmsnorm(x, linear(attn, w.o), w.input_norm_2, w.post_norm, eps)
-            mlp = linear(swiglu(linear(y, w.gate_up)), w.down)
+            attn = attend_rotary(w.layer, F.linear(y, w.qkv), rope).reshape(n, heads * head_dim)
+            x, y = add_rmsnorm(x, F.linear(attn, w.o), w.input_norm_2, w.post_norm, eps)
+            mlp = F.linear(swiglu(F.linear(y, w.gate_up)), w.down)
             closing = layers[i + 1].input_norm if i + 1 < len(layers) else self._final_norm
             x, y = add_rmsnorm(x, mlp, w.post_norm_2, closing, eps)
         return y
