@@ -349,3 +349,20 @@ def test_calibrate_threshold_script(tmp_path) -> None:
     assert payload["exit_mode"] == "kl" and [r["threshold"] for r in payload["rows"]] == [0.3, 0.05]
     low, high = (r["mean_loops"] for r in payload["rows"])
     assert 1 <= low <= high <= 6 and sum(payload["rows"][0]["histogram"].values()) == 2 * 4
+
+
+def test_profile_steps_script(tmp_path) -> None:
+    """scripts/profile_steps.py: one request's steps and a burst's first tokens per exit mode (toy-ouro, CPU)."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "steps.json"
+    proc = subprocess.run(
+        [sys.executable, str(root / "scripts" / "profile_steps.py"), "--device", "cpu", "--model", "toy-ouro",
+         "--exits", "trace,ouro", "--prompt-len", "24", "--output-len", "6", "--burst", "4", "--json", str(out)],
+        cwd=root, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr
+    reports = json.loads(out.read_text())["reports"]
+    assert [r["exit"] for r in reports] == ["trace", "ouro"]
+    for r in reports:
+        assert r["ttft_ms"] > 0 and r["steps"] >= 1 and r["host_top"]
+        assert r["burst"]["ttft_p50_ms"] > 0 and sum(new for _, new, _ in r["burst"]["steps"]) == 4
