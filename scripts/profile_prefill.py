@@ -26,7 +26,6 @@ then, per chunk size, the ratios graphs on / off of TTFT and prompt tok/s.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
 import statistics
@@ -37,6 +36,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from rlt_engine import LLM, SamplingParams
+from rlt_engine.bench.report import free_device
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,12 +67,6 @@ def self_times(prof: profile, device: bool) -> dict[str, tuple[float, int]]:
 def ranked(times: dict[str, tuple[float, int]], top: int) -> list[dict]:
     order = sorted(times.items(), key=lambda kv: -kv[1][0])[:top]
     return [{"name": name, "s": s, "calls": c} for name, (s, c) in order]
-
-
-def free_device(device: str) -> None:
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
 
 
 TARGET_TTFT_S = 0.050  # issue 17, one prompt

@@ -23,14 +23,13 @@ runs the same code on the CPU (a smoke test; times mean nothing).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import time
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
+from rlt_engine.bench.report import free_device
 from rlt_engine.bench.throughput import OURO_THRESHOLD, Workload, make_jobs
 from rlt_engine.llm import LLM
 
@@ -112,9 +111,7 @@ def profile_mode(args: argparse.Namespace, mode: str) -> dict:
                   "host_top": top(events, "self_cpu_time_total", args.top),
                   "gpu_top": top(events, "self_device_time_total", args.top) if cuda else [],
                   "burst": burst(engine, jobs[4:], mode) if args.burst else None}
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()  # the next engine sizes its KV pool from the free memory
+    free_device(args.device)  # the next engine sizes its KV pool from the free memory
     return report
 
 

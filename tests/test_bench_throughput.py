@@ -335,16 +335,19 @@ def test_ulp() -> None:
     assert gate.ulp(-1.5, "bfloat16") == 2.0**-7 and gate.ulp(1.0, "float32") == 2.0**-23
 
 
+def run_script(name: str, *args: str, timeout: float) -> None:
+    """Run scripts/<name> with this interpreter from the repository root; it must exit 0."""
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "scripts" / name), *args], cwd=root, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_calibrate_threshold_script(tmp_path) -> None:
     """scripts/calibrate_threshold.py measures mean loops per generated token per threshold (toy-huginn, kl)."""
-    root = Path(__file__).resolve().parents[1]
     out = tmp_path / "kl.json"
-    proc = subprocess.run(
-        [sys.executable, str(root / "scripts" / "calibrate_threshold.py"), "--model", "toy-huginn", "--device", "cpu",
-         "--requests", "2", "--prompt-len", "6", "--output-len", "5", "--thresholds", "0.3,0.05", "--json", str(out)],
-        cwd=root, capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
+    run_script("calibrate_threshold.py", "--model", "toy-huginn", "--device", "cpu", "--requests", "2",
+               "--prompt-len", "6", "--output-len", "5", "--thresholds", "0.3,0.05", "--json", str(out), timeout=120)
     payload = json.loads(out.read_text())
     assert payload["exit_mode"] == "kl" and [r["threshold"] for r in payload["rows"]] == [0.3, 0.05]
     low, high = (r["mean_loops"] for r in payload["rows"])
@@ -353,14 +356,9 @@ def test_calibrate_threshold_script(tmp_path) -> None:
 
 def test_profile_steps_script(tmp_path) -> None:
     """scripts/profile_steps.py: one request's steps and a burst's first tokens per exit mode (toy-ouro, CPU)."""
-    root = Path(__file__).resolve().parents[1]
     out = tmp_path / "steps.json"
-    proc = subprocess.run(
-        [sys.executable, str(root / "scripts" / "profile_steps.py"), "--device", "cpu", "--model", "toy-ouro",
-         "--exits", "trace,ouro", "--prompt-len", "24", "--output-len", "6", "--burst", "4", "--json", str(out)],
-        cwd=root, capture_output=True, text=True, timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr
+    run_script("profile_steps.py", "--device", "cpu", "--model", "toy-ouro", "--exits", "trace,ouro",
+               "--prompt-len", "24", "--output-len", "6", "--burst", "4", "--json", str(out), timeout=180)
     reports = json.loads(out.read_text())["reports"]
     assert [r["exit"] for r in reports] == ["trace", "ouro"]
     for r in reports:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from types import ModuleType
 
@@ -9,6 +10,15 @@ from types import ModuleType
 def log(message: str) -> None:
     """A progress line on stderr (stdout keeps the tables)."""
     print(message, file=sys.stderr, flush=True)
+
+
+def free_device(device: str) -> None:
+    """Return a closed engine's cached device memory, so the next engine sizes its KV pool from all of it."""
+    gc.collect()
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 def pyplot() -> ModuleType | None:

@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -75,7 +74,7 @@ from typing import Any
 
 from protocol.messages import SamplingParams
 from rlt_engine.bench import gate
-from rlt_engine.bench.report import log, pyplot
+from rlt_engine.bench.report import free_device, log, pyplot
 
 HBM_TBPS = 4.3  # H200 device-to-device copy rate measured here (KINDS.md), bytes read + written
 DECODE_WORKLOADS = ("fixed", "trace", "ouro", "kl", "latent_diff")
@@ -514,7 +513,7 @@ class Grid:
 
             options = dict(self._options(exit_mode), num_blocks=self._gate_pool())
             self.references[exit_mode] = gate.reference_run(a.model, options, make, self.gate_dtype)
-            _free_device(a.device)
+            free_device(a.device)
             log(f"== gate reference (torch path, {self.gate_dtype}) for exit={exit_mode}: "
                 f"{time.perf_counter() - t0:.1f} s")
 
@@ -548,7 +547,7 @@ class Grid:
     def _close(self, llm: Any) -> None:
         llm.close()
         del llm
-        _free_device(self.args.device)
+        free_device(self.args.device)
 
     def _fail(self, workers: int, exit_mode: str, pending: list[int], error: str) -> None:
         for c in pending:
@@ -761,14 +760,6 @@ def _reset_peak(device: str, workers: int) -> None:
         import torch
 
         torch.cuda.reset_peak_memory_stats()
-
-
-def _free_device(device: str) -> None:
-    gc.collect()
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.empty_cache()
 
 
 def environment(device: str) -> dict[str, Any]:
