@@ -29,7 +29,8 @@ and lets the uniform prior weigh the LM losses, at α = 1:
 
     loss = (1/D) Σ_d L_d  +  [Σ_d p_d sg(L_d) − β H(p)]    (--exit-floor 1 --detach-gate 1)
 
-(sg: stop-gradient); --exit-floor α in between mixes the LM weights (1 − α) p_d + α / D. The
+(sg: stop-gradient); --exit-floor α in between mixes the LM weights (1 − α) p_d + α / D
+(--floor-shape depth: + α d / Σ d instead, so deeper loops get more of the floor). The
 default is α = 0.5, which beat α = 1 at loops 2–4 on the H200 (run 2, docs/benchmarks.md).
 
 Residual dropout (--dropout, train mode only) regularises the many epochs the small corpus takes.
@@ -66,6 +67,7 @@ from rlt_worker.models.toy import TOY_OURO_CONFIG
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_tiny_model.py, beside this script
 from train_tiny_model import (  # noqa: E402
+    FLOOR_SHAPES,
     add_residual_dropout,
     evaluate,
     exit_distribution,
@@ -95,7 +97,8 @@ class TrainConfig:
     weight_decay: float = 0.1
     dropout: float = 0.1
     beta: float = 0.05
-    exit_floor: float = 0.5  # α: every loop gets ≥ α / D of the LM loss weight (ouro_objective)
+    exit_floor: float = 0.5  # α: every loop gets ≥ α q_d of the LM loss weight (ouro_objective)
+    floor_shape: str = "uniform"  # q: "uniform" (1/D) or "depth" (d / Σ d) (floor_prior)
     detach_gate: bool = True  # the gate learns from detached losses; the LM weights are held constant
     seed: int = 0
     deterministic: bool = True  # CUDA: ask for deterministic kernels (runs 3 a and b, without, ended 1.1% apart)
@@ -148,6 +151,7 @@ class LossStep:
 
     def __init__(self, model, cfg: TrainConfig, device: str, compile_mode: str) -> None:
         self.model, self.beta, self.floor, self.detach_gate = model, cfg.beta, cfg.exit_floor, cfg.detach_gate
+        self.floor_shape = cfg.floor_shape
         self.on_cuda = device.startswith("cuda")
         self.dtype = torch.bfloat16 if self.on_cuda else torch.float32
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.on_cuda
@@ -158,7 +162,7 @@ class LossStep:
 
     def eager(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         losses, hazards = per_loop_losses(self.model, tokens, self.dtype)
-        return ouro_objective(losses, hazards, self.beta, self.floor, self.detach_gate)
+        return ouro_objective(losses, hazards, self.beta, self.floor, self.detach_gate, self.floor_shape)
 
     def __call__(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss, expected loss) of the batch, its gradients accumulated into the parameters."""
@@ -405,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="stop and save once training (from the first step) has run this long")
     for field, default in asdict(TrainConfig()).items():
         kind = _flag if isinstance(default, bool) else type(default)
-        run.add_argument(f"--{field.replace('_', '-')}", type=kind, default=default)
+        choices = FLOOR_SHAPES if field == "floor_shape" else None
+        run.add_argument(f"--{field.replace('_', '-')}", type=kind, default=default, choices=choices)
     args = parser.parse_args(argv)
     if args.command == "prepare":
         stdlib = read_stdlib()

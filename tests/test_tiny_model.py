@@ -232,6 +232,11 @@ def test_exit_floor_and_detached_gate_split_the_objective() -> None:
     assert math.isclose(loss1.item(), 2.5 + loss0.item(), rel_tol=1e-6)  # mean L_d + the gate's objective
     _, _, dl2, dh2 = grads(floor=0.5, detach_gate=True)
     assert torch.allclose(dl2, 0.5 * p + 0.125) and torch.allclose(dh2, dh0)
+    _, _, dl3, dh3 = grads(floor=0.5, detach_gate=True, floor_shape="depth")
+    assert torch.allclose(dl3, 0.5 * p + 0.5 * torch.tensor([0.1, 0.2, 0.3, 0.4]))  # the floor ∝ d
+    assert torch.allclose(dh3, dh0)  # the floor's shape never reaches the gate
+    with pytest.raises(ValueError, match="floor shape"):
+        grads(floor=0.5, floor_shape="linear")
 
 
 def test_boolean_flags_parse_and_the_recipe_defaults() -> None:
