@@ -151,3 +151,32 @@ def test_the_same_counts_on_cuda_with_captured_graphs(compiled: None, monkeypatc
         stats = runner.graph_stats
     assert stats is not None and stats["replays"] == len(work.passes) and stats["eager_passes"] == 0
     assert_host_work(work, most_boundary_uploads=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_planned_plans_queue_without_a_sync_on_cuda(compiled: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """trace with 4·D passes per plan (ExitTest.PLANNED) on CUDA, captured pass and CODA graphs: no
+    DecodeBatch waits for the device (torch's sync debug mode raises at any synchronising call inside
+    DecodeLoop.run), none reads back, every pass is a graph replay."""
+    depth = DEPTH["toy-ouro"]
+    jobs = make_workload(random.Random("planned-cuda"), 6, depth=depth, exit_mode="trace",
+                         sampling=("greedy", "top_p"), max_prompt_len=8, max_tokens=9, spread=1)
+    real_run = DecodeLoop.run
+
+    def run_without_syncs(loop: DecodeLoop, *args: object) -> object:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return real_run(loop, *args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(DecodeLoop, "run", run_without_syncs)  # count_host_work wraps this one
+    with make_llm("toy-ouro", exit_mode="trace", device="cuda", dtype="float32", attention_backend="triton",
+                  cuda_graphs=True, loops_per_plan=4 * depth, max_num_seqs=4) as llm:
+        runner = llm.engine.executor._worker.runner
+        with count_host_work(runner, monkeypatch) as work:
+            run_workload(llm, jobs)
+        stats = runner.graph_stats
+    assert stats is not None and stats["replays"] == len(work.passes) > len(work.plans) and stats["eager_passes"] == 0
+    assert not any(p.readbacks for p in work.passes + work.boundaries + work.plans)
