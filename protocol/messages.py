@@ -27,7 +27,9 @@ from protocol.columns import F64, I32, I64, U64, Columnar
 #    stopped); RecurrentBatch rows are no longer reported (the engine planned them).
 # 7: WorkerConfig.cuda_graph_prefill and max_num_batched_tokens (PREFILL chunk passes from CUDA graphs).
 # 8: mixed batches: PrefillBatch.rides_loop_passes (the chunks' loops ride the plan's loop passes).
-PROTOCOL_VERSION = 8
+# 9: planned exits in the decode loop: ExitTest.PLANNED, DecodeBatch.num_planned / planned_depths (the
+#    engine's exit depths of a row's next positions; the worker refills fixed/trace rows in the plan).
+PROTOCOL_VERSION = 9
 
 
 class Stage(enum.IntEnum):
@@ -44,12 +46,14 @@ class Stage(enum.IntEnum):
 
 class ExitTest(enum.IntEnum):
     """The exit test a DecodeBatch's worker applies after each loop d of a row (SPEC §3), with the
-    row's min_loops, max_loops and threshold. Every test exits at d = max_loops."""
+    row's min_loops, max_loops and threshold. Every test exits at d = max_loops, except PLANNED, whose
+    exit depths the engine decided (fixed, trace) and sends with the row."""
 
     OURO = 1  # remaining *= 1 − λ, λ = sigmoid(gate(state_d)); exit if d ≥ min_loops, 1 − remaining ≥ threshold < 1
     OURO_DELAYED = 2  # exit after loop d if the OURO test passed after loop d − 1 (it never un-passes)
     KL = 3  # exit if d ≥ min_loops and KL(p_{d−1} ‖ p_d) < threshold (next-token distributions, p_0 uniform)
     LATENT = 4  # exit if d ≥ min_loops and ‖s_d − s_{d−1}‖ / ‖s_d‖ < threshold (raw state before ln_f)
+    PLANNED = 5  # exit after loop d = the row's planned depth of its output (DecodeBatch.planned_depths)
 
 
 # --------------------------------------------------------------------------- model / config
@@ -317,13 +321,20 @@ class DecodeBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_defa
     result yet, so the row's positions, depths, exited, exit_states and output_indices are ignored
     and the row picks up where that row stopped (the slot table keeps it); a slot whose request
     that row ended does nothing and reports nothing.
+
+    ExitTest.PLANNED (fixed, trace): row r's positions of outputs output_indices[r], + 1, …, +
+    num_planned[r] − 1 exit after the next num_planned[r] entries of planned_depths (for a row that
+    continues, output_indices is still where these start: the engine's lagging index). The worker
+    loops only positions whose exit depth it was sent, decides these exits on the host and reads
+    nothing back: a stop token does not end a row mid-plan (its later rows are stale to the engine).
     """
 
     COLUMNS: ClassVar = {
         "keys": I64, "generations": I64, "positions": I32, "depths": I32, "exited": I32, "exit_states": F64,
         "output_indices": I32, "seeds": U64, "min_loops": I32, "max_loops": I32, "thresholds": F64,
-        "continues": I32,
+        "continues": I32, "num_planned": I32, "planned_depths": I32,
     }
+    RAGGED: ClassVar = frozenset({"num_planned", "planned_depths"})
 
     keys: bytes = b""  # i64 [rows]
     generations: bytes = b""  # i64 [rows]
@@ -340,9 +351,12 @@ class DecodeBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_defa
     max_passes: int = 1  # loop passes the plan runs at most (a row samples at most max_passes + 1 tokens)
     refill: bool = True  # an exited row's next token joins the next pass (False: scheduling="no_refill")
     continues: bytes = b""  # i32 [rows], 1: pick up where the slot's last DecodeBatch row stopped (see above)
+    num_planned: bytes = b""  # i32 [rows] (other tests may leave it empty), planned depths of the row's next outputs
+    planned_depths: bytes = b""  # i32 [sum(num_planned)], exit depths ≥ 1, row by row (see above)
 
     def __post_init__(self) -> None:
         self._check_columns()
+        self._check_planned()
         self._check_min("positions", 0)
         self._check_min("depths", 0)
         self._check_min("exited", 0)
@@ -353,6 +367,16 @@ class DecodeBatch(Columnar, msgspec.Struct, tag=True, array_like=True, omit_defa
             raise ValueError("a DecodeBatch row has max_loops below its min_loops")
         if self.max_passes < 1:
             raise ValueError(f"DecodeBatch.max_passes must be ≥ 1, got {self.max_passes}")
+
+    def _check_planned(self) -> None:
+        num_planned = self.col("num_planned")
+        if len(num_planned) != self.num_rows and (len(num_planned) or self.exit_test == ExitTest.PLANNED):
+            raise ValueError(f"DecodeBatch.num_planned has {len(num_planned)} entries for {self.num_rows} rows "
+                             f"(one per row; other tests than PLANNED may leave it empty)")
+        self._check_min("num_planned", 0)
+        self._check_min("planned_depths", 1)
+        if len(self.planned_depths) // 4 != int(num_planned.sum()):
+            raise ValueError("DecodeBatch.planned_depths length differs from sum(num_planned)")
 
 
 StageBatch = PrefillBatch | PreludeBatch | RecurrentBatch | FinalizeBatch | CodaBatch | DecodeBatch

@@ -69,9 +69,9 @@ class EngineConfig:
     cuda_graph_prefill: bool = _opt(True, "replay PREFILL chunk loop passes from CUDA graphs too, bucketed by "
                                           "token and chunk count up to max_num_batched_tokens and captured with "
                                           "the decode graphs (needs cuda_graphs; --no-cuda-graph-prefill for A/B)")
-    loops_per_plan: int = _opt(0, "most loop passes one plan runs: a position with a known exit depth runs "
-                                  "up to this many of its loops; under ouro, ouro_delayed, kl and latent_diff "
-                                  "the worker decides exits and samples up to this many + 1 tokens per row "
+    loops_per_plan: int = _opt(0, "most loop passes one plan runs: a replayed position runs up to this many "
+                                  "of its loops; the worker's decode loop (exits decided there, or fixed/trace "
+                                  "depths when > 1) samples up to this many + 1 tokens per row "
                                   "(0 = auto: 4·D on cuda, 1 on cpu)")
     mixed_batches: bool = _opt(False, "prompt chunks ride the loop passes of running decode rows (a chunk's D "
                                       "loops in the plan's first D passes, one pass over both within "

@@ -21,7 +21,7 @@ log = logging.getLogger("rlt.engine")
 
 PlanListener = Callable[[int, ExecutionPlan], None]
 MAX_FAILED_STARTS = 3  # replacements in a row that die before serving: then the worker index stays dead
-# loops_per_plan = 0 on CUDA: a plan runs up to 4·D loop passes. A planned position runs at most its
+# loops_per_plan = 0 on CUDA: a plan runs up to 4·D loop passes. A replayed position runs at most its
 # D loops per plan anyway; a DecodeBatch runs ~4·D / (mean loops per token) tokens per row between
 # two engine round trips (Ouro-1.4B on the H200: 16 passes, ~18 ms at c = 1, ~6 tokens at 2.5 loops).
 AUTO_PLAN_DEPTHS = 4

@@ -1,8 +1,10 @@
 """Exit policies (SPEC §3): when a generated position stops looping.
 
 A policy either knows a position's exit depth when it starts (`planned_exit`), so the engine
-plans its loops, or names the test the worker applies after each loop (`exit_test`), so the
-worker decides (rlt_worker/exit_tests.py holds the tests). Chosen once per engine from `exit_mode`:
+plans its loops (or, with several passes per plan, sends the worker's decode loop the depths of a
+row's next positions: `planned_exits`), or names the test the worker applies after each loop
+(`exit_test`), so the worker decides (rlt_worker/exit_tests.py holds the tests). Chosen once per
+engine from `exit_mode`:
 
     fixed          exit after max_loops                          planned
     trace          exit after exit_depths[i]                     planned
@@ -34,6 +36,12 @@ class ExitPolicy:
         """Exit depth of the position that produces output `output_index`, if known in advance."""
         return request.limits.max_loops
 
+    def planned_exits(self, request: Request, first_index: int, count: int) -> list[int]:
+        """Exit depths of the positions that produce outputs `first_index` … (at most `count`, none past
+        the request's last output): what a DecodeBatch row under ExitTest.PLANNED carries."""
+        last = min(first_index + count, request.params.max_tokens)
+        return [self.planned_exit(request, i) for i in range(first_index, last)]
+
     def limits(self, params: SamplingParams, max_depth: int) -> LoopLimits:
         """Resolve a request's loop limits against the engine's D."""
         threshold = self.never_early_threshold if params.exit_threshold is None else params.exit_threshold
@@ -63,6 +71,9 @@ class WorkerDecidedExit(ExitPolicy):
 
     def planned_exit(self, request: Request, output_index: int) -> int | None:
         return None
+
+    def planned_exits(self, request: Request, first_index: int, count: int) -> list[int]:
+        return []
 
 
 class OuroExit(WorkerDecidedExit):

@@ -159,16 +159,19 @@ class PlanBuilder:
             exit_depths=exit_depth,
         )
 
-    def decode(self, request: Request, exited: bool, continues: bool = False) -> None:
+    def decode(self, request: Request, exited: bool, continues: bool = False, planned: list[int] | None = None) -> None:
         """The request's current position to the worker's decode loop, with `depth` loops run there
         (`exited`: it has exited after them, its boundary work first; `continues`: from where the
-        slot's row in a plan still in flight stops, the other columns ignored)."""
+        slot's row in a plan still in flight stops, the other columns ignored; `planned`: under
+        ExitTest.PLANNED, the exit depths of its outputs from its position's on)."""
         limits, position = request.limits, request.position
+        planned = planned or []
+        self._rows[DecodeBatch]["planned_depths"].extend(planned)
         self._row(
             DecodeBatch, request, positions=position, depths=request.depth, exited=int(exited),
             exit_states=request.exit_state, output_indices=position - (request.prompt_len - 1),
             seeds=self._seed_of(request.key), min_loops=limits.min_loops, max_loops=limits.max_loops,
-            thresholds=limits.threshold, continues=int(continues),
+            thresholds=limits.threshold, continues=int(continues), num_planned=len(planned),
         )
 
     @property

@@ -9,8 +9,10 @@ loop boundaries:
     2. running decode rows (never starved by arrivals): the next loop of every looping
        position, and [finalize →] CODA → PRELUDE → loop 1 for every position that exited
        (refill: at once; no_refill: only when the worker's whole cohort has exited). Under a
-       policy whose exits the worker decides (ouro*, kl, latent_diff) a live position is one
-       DecodeBatch row instead: the worker loops it, tests it, samples and refills in the plan
+       policy whose exits the worker decides (ouro*, kl, latent_diff), and under planned exits
+       (fixed, trace) when a plan runs several passes, a live position is one DecodeBatch row
+       instead: the worker loops it, tests it (or follows the depths the row carries), samples and
+       refills in the plan
     3. prompt chunks of admitted requests, within max_num_batched_tokens; with mixed batches
        they ride the loop passes of step 2's rows (prefill_mixing.py)
 
@@ -30,7 +32,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-from protocol.messages import SamplingParams, Stage, StepResult
+from protocol.messages import ExitTest, SamplingParams, Stage, StepResult
 from rlt_engine.exit_policy import ExitPolicy
 from rlt_engine.kv_manager import KVManager
 from rlt_engine.placement import Placement
@@ -62,8 +64,9 @@ class SchedulerConfig:
     priority: bool = False  # scheduling_policy="priority": lower priority number first
     max_bypasses: int = 8
     preemption: str = "recompute"  # or "swap": victims' slots go to host memory
-    # Most loop passes one plan runs: a row whose exit depth is known (fixed, trace, a replay) runs
-    # up to this many loops of its position; a DecodeBatch (the worker decides exits) this many
+    # Most loop passes one plan runs: a row whose exit depth is known (a replay; fixed, trace at 1)
+    # runs up to this many loops of its position; a DecodeBatch (the worker decides exits, or follows
+    # the planned ones of fixed and trace when this is > 1) this many
     # passes, across as many tokens as its rows exit (≤ loops_per_plan + 1 tokens per row), and at
     # most D of them while a prompt is pending (Scheduler._decode_settings).
     loops_per_plan: int = 1
@@ -97,8 +100,14 @@ class Scheduler(SchedulerFaults):
         self.rng = rng
         self.preemption = make_preemption(config.preemption)
         self.mixing = make_prefill_mixing(config.mixed_batches)
-        self._decode = None if policy.exit_test is None else DecodeSettings(
-            policy.exit_test, max_passes=config.loops_per_plan, refill=config.refill)
+        exit_test = policy.exit_test
+        if exit_test is None and config.loops_per_plan > 1:
+            # Several passes per plan: planned positions loop in the worker's decode loop too, so a row
+            # that exits early takes its next position at the next pass instead of idling until the
+            # plan's deepest row ends (one pass per plan has nothing to idle: RecurrentBatch rows).
+            exit_test = ExitTest.PLANNED
+        self._decode = None if exit_test is None else DecodeSettings(
+            exit_test, max_passes=config.loops_per_plan, refill=config.refill)
         # While a prompt is pending, a plan's passes are bounded (see _decode_settings).
         self._prompt_decode = None if self._decode is None else DecodeSettings(
             self._decode.exit_test, max_passes=min(config.loops_per_plan, config.max_depth), refill=config.refill)
@@ -382,8 +391,12 @@ class Scheduler(SchedulerFaults):
         by up to that plan's tokens; the row goes on from where the worker left it."""
         if not self._ensure_positions(plan, request, min(request.position + 2, request.max_positions)):
             return False
-        self._reserve_ahead(plan, request, self.config.max_plans_in_flight if continues else 1)
-        plan.decode(request, exited, continues)
+        num_plans = self.config.max_plans_in_flight if continues else 1
+        self._reserve_ahead(plan, request, num_plans)
+        # Planned exits: the depths of every position the row may loop in this plan and the one in flight.
+        output_index = request.position - (request.prompt_len - 1)
+        planned = self.policy.planned_exits(request, output_index, num_plans * (self.config.loops_per_plan + 1))
+        plan.decode(request, exited, continues, planned)
         request.decode_step_id = plan.step_id
         return True
 
@@ -461,8 +474,10 @@ class Scheduler(SchedulerFaults):
         request.exit_state = self.policy.initial_state
         if next_output < request.num_outputs:
             request.exit_depth = request.exit_depths[next_output]
-        else:
+        elif self._decode is None:
             request.exit_depth = self.policy.planned_exit(request, next_output)
+        else:
+            request.exit_depth = None  # a live position loops in the worker's decode loop
         token = request.output_token_ids[output_index] if replaying else -1
         plan.prelude(request, request.position, token)
         if request.exit_depth is None:  # the live position after a replay: the worker decides its exit

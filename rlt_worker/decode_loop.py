@@ -4,11 +4,13 @@
                               batches: once that chunk's D loops have run, then it joins the next pass)
     pass 1 … max_passes       loop d + 1 of every looping row, each at its own position and depth
                               → the exit test (rlt_worker/exit_tests.py) → one readback: who exited
+                              (ExitTest.PLANNED: the engine's depths, compared on the host, no readback)
                               refill: their boundary work now; no_refill: they stop (EXITED)
     boundary work of rows E   [FINALIZE (LAST_EXITED, exit depth < D)] → CODA: output i of each row
                               → one readback of the tokens: a stop token or output max_tokens − 1
-                              ends a row → the others: PRELUDE of the token at position + 1 (its
-                              depth 0, output i + 1), which joins the next pass
+                              ends a row (PLANNED: no readback, only max_tokens − 1) → the others:
+                              PRELUDE of the token at position + 1 (its depth 0, output i + 1),
+                              which joins the next pass
 
 Every draw is the host path's: output i's CODA uses Philox index i under the request's seed, and
 Huginn's state init of position p index p; the exit tests compute what the host policies computed.
@@ -23,17 +25,19 @@ result: such a row `continues`, and starts where the slot's previous row stopped
 exited, output index, exit state: the slot table's `DecodeCursors`, written as every row stops), or
 does nothing if that row ended its request.
 
-The loop itself is host-driven: the exit test and the boundary run as eager torch ops on the
-state a pass left (a graph replay when one fits), and the host reads back a few bytes per pass to
-choose the next pass's rows. Nothing else leaves the device until the StepResult is built. The host
-keeps the rows' columns and sends each pass's rows in one copy (`ModelRunner.pass_columns`: into the
-graph's static inputs when a graph runs the pass, and the exit test reads them there); what the test
-reads per slot (limits, threshold, exit state) stays on the device in `DecodeCursors.loop_limits` and
-`exit_values`, written at the plan's start, by the test, and at each PRELUDE, so a pass needs no
-other upload:
+The loop itself is host-driven: the exit test and the boundary run as eager torch ops on the state a
+pass left (a graph replay when one fits), and the host reads back a few bytes per pass to choose the
+next pass's rows (a device test: `DeviceExits`; planned exits, `PlannedExits`, know them on the
+host, so their plan's passes queue on the device one behind the other). Nothing else leaves the
+device until the StepResult is built. The host keeps the rows' columns and sends each pass's rows in
+one copy (`ModelRunner.pass_columns`: into the graph's static inputs when a graph runs the pass, and
+the exit test reads them there); what the test reads per slot (limits, threshold, exit state) stays
+on the device in `DecodeCursors.loop_limits` and `exit_values`, written at the plan's start, by the
+test, and at each PRELUDE, so a pass needs no other upload:
 
     per pass       1 upload (slots, positions, depths)        1 readback (exits)
     per boundary   ≤ 3 uploads (FINALIZE, CODA, PRELUDE)      1 readback (tokens)
+                   (PLANNED: the same uploads, no readback at all)
     per plan       + 2 uploads (the rows' exit-test columns, the exit states of the rows reported RECURRENT)
 """
 
@@ -45,12 +49,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from protocol.messages import DecodeBatch, Stage
-from rlt_worker.exit_tests import PassRows, make_exit_test
+from protocol.messages import DecodeBatch, ExitTest, Stage
+from rlt_worker.exit_tests import DeviceExitTest, PassRows, make_exit_test
 from rlt_worker.step_results import ResultBuilder
 
 if TYPE_CHECKING:
-    from rlt_worker.model_runner import ModelRunner
+    from rlt_worker.model_runner import ModelRunner, PassColumns
 
 INITIAL_EXIT_STATE = 1.0  # a position's exit state before its first loop (∏ (1 − λ) over no loop)
 # Columns of DecodeCursors.loop_limits (int64) and .exit_values (float64): what the exit test reads of a slot.
@@ -107,7 +111,7 @@ class DecodeLoop:
     def __init__(self, runner: ModelRunner, batch: DecodeBatch) -> None:
         self.runner = runner
         self.batch = batch
-        self.test = make_exit_test(batch.exit_test)
+        self.exits = PlannedExits(batch) if batch.exit_test == ExitTest.PLANNED else DeviceExits(batch.exit_test)
         self.rows = self._rows(batch)
 
     def run(self, results: ResultBuilder) -> None:
@@ -188,22 +192,15 @@ class DecodeLoop:
     # ------------------------------------------------------------------ passes
 
     def _pass(self, looping: np.ndarray) -> np.ndarray:
-        """One loop of each looping row and its exit test; returns the rows that exited."""
+        """One loop of each looping row and its exit decision; returns the rows that exited."""
         runner, rows = self.runner, self.rows
         rows.depths[looping] += 1
         slots, positions, depths = rows.slots[looping], rows.positions[looping], rows.depths[looping]
         width = runner.table_width(positions)
         columns = runner.pass_columns(slots, positions, depths)  # the pass's one upload
-        previous = runner.state[columns.slots] if self.test.needs_previous_state else None
+        before = self.exits.before_pass(runner, columns)
         runner.loop_pass(slots, positions, depths, width, columns)
-        cursors = runner.decode_cursors
-        limits, values = cursors.loop_limits[columns.slots], cursors.exit_values[columns.slots]
-        pass_rows = PassRows(columns.slots, columns.positions, columns.depths, limits[:, MIN_LOOPS],
-                             limits[:, MAX_LOOPS], values[:, THRESHOLD], width)
-        exits, states = self.test.decide(runner, pass_rows, previous, values[:, EXIT_STATE])
-        if self.test.updates_exit_state:
-            cursors.exit_values[columns.slots, EXIT_STATE] = states
-        return looping[self.runner.read_back(exits)]  # the pass's readback: which rows go to their boundary
+        return looping[self.exits.after_pass(runner, columns, width, before, rows, looping)]
 
     def _after_prefill(self, waiting: np.ndarray, results: ResultBuilder) -> np.ndarray:
         """The riding chunks' last loops done (alone if no pass is left to ride), the boundary work of
@@ -227,11 +224,9 @@ class DecodeLoop:
         self.runner.finalize_rows(slots[shallow], positions[shallow], depths[shallow])
         tokens, logprobs = self.runner.sample_rows(slots, positions, rows.seeds[exited].view(np.int64),
                                                    rows.indices[exited])
-        host_tokens = self.runner.read_back(tokens)  # the boundary's readback: stop tokens end their rows
-        results.add(Stage.DECODE, rows.keys[exited], rows.generations[exited], depths=depths, tokens=host_tokens,
+        tokens, stopped = self.exits.stop_tokens(self.runner, tokens, [rows.stop_ids[r] for r in exited.tolist()])
+        results.add(Stage.DECODE, rows.keys[exited], rows.generations[exited], depths=depths, tokens=tokens,
                     logprobs=logprobs)
-        stopped = np.array([t in rows.stop_ids[r] for t, r in zip(host_tokens.tolist(), exited.tolist(),
-                                                                    strict=True)], dtype=bool)
         ends = stopped | self._holds_last_output(exited)
         rows.finished[exited[ends]] = True
         rows.running[exited[ends]] = False
@@ -251,10 +246,11 @@ class DecodeLoop:
         self._stop_unless_completable(going_on)
 
     def _stop_unless_completable(self, indices: np.ndarray) -> None:
-        """Rows may loop their position only if its PRELUDE-to-be (the next position) has a block."""
+        """Rows may loop their position only if its PRELUDE-to-be (the next position) has a block, and
+        (planned exits) if the row knows the position's exit depth."""
         rows = self.rows
         completable = (rows.positions[indices] + 1 < rows.covered[indices]) | self._holds_last_output(indices)
-        rows.running[indices[~completable]] = False
+        rows.running[indices[~(completable & self.exits.knows_exit(rows.indices[indices], indices))]] = False
 
     def _holds_last_output(self, indices: np.ndarray) -> np.ndarray:
         return self.rows.indices[indices] == self.rows.last_index[indices]
@@ -281,3 +277,75 @@ class DecodeLoop:
         cursors.positions[slots], cursors.depths[slots] = rows.positions, rows.depths
         cursors.exited[slots], cursors.indices[slots] = rows.exited, rows.indices
         cursors.ended[slots], cursors.is_set[slots] = rows.finished, True  # exit states: in exit_values already
+
+
+class DeviceExits:
+    """Exits decided by a device test (OURO*, KL, LATENT) after each pass, read back once per pass; a
+    boundary reads its tokens back too, so a stop token ends its row at once."""
+
+    def __init__(self, exit_test: ExitTest) -> None:
+        self.test: DeviceExitTest = make_exit_test(exit_test)
+
+    def knows_exit(self, output_indices: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Whether each row may loop the position of its output (a test decides every exit: always)."""
+        return np.ones(len(rows), dtype=bool)
+
+    def before_pass(self, runner: ModelRunner, columns: PassColumns) -> torch.Tensor | None:
+        """What the test reads of the state before the pass (LATENT: the state itself)."""
+        return runner.state[columns.slots] if self.test.needs_previous_state else None
+
+    def after_pass(self, runner: ModelRunner, columns: PassColumns, width: int, before: torch.Tensor | None,
+                   rows: _Rows, looping: np.ndarray) -> np.ndarray:
+        """bool [len(looping)]: which of the pass's rows exited (the pass's readback)."""
+        cursors = runner.decode_cursors
+        limits, values = cursors.loop_limits[columns.slots], cursors.exit_values[columns.slots]
+        pass_rows = PassRows(columns.slots, columns.positions, columns.depths, limits[:, MIN_LOOPS],
+                             limits[:, MAX_LOOPS], values[:, THRESHOLD], width)
+        exits, states = self.test.decide(runner, pass_rows, before, values[:, EXIT_STATE])
+        if self.test.updates_exit_state:
+            cursors.exit_values[columns.slots, EXIT_STATE] = states
+        return runner.read_back(exits)
+
+    def stop_tokens(self, runner: ModelRunner, tokens: torch.Tensor,
+                    stop_ids: list[frozenset[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(the tokens for the result, bool: which are stop tokens), read back: the rows they end stop now."""
+        host = runner.read_back(tokens)
+        return host, np.array([t in ids for t, ids in zip(host.tolist(), stop_ids, strict=True)], dtype=bool)
+
+
+class PlannedExits:
+    """Exits the engine planned (fixed, trace): row r's positions of outputs base[r], base[r] + 1, …
+    exit at the depths the batch carries (`planned_depths`). Decided on the host, so a plan reads
+    nothing back: its passes and boundaries queue on the device without waiting for it. A stop token
+    does not end its row mid-plan; the engine ends the request at it and drops the row's later outputs
+    as stale, so only the compute of at most this plan and the next is lost, once per request."""
+
+    def __init__(self, batch: DecodeBatch) -> None:
+        self._counts = batch.col("num_planned").astype(np.int64)
+        self._starts = np.cumsum(self._counts) - self._counts  # row r's first entry in _depths
+        self._depths = batch.col("planned_depths").astype(np.int64)
+        self._base = batch.col("output_indices").astype(np.int64)  # kept for rows that continue
+
+    def _entries(self, output_indices: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(whether each row was sent its output's exit depth, that entry's index into _depths)."""
+        k = output_indices - self._base[rows]
+        known = (k >= 0) & (k < self._counts[rows])
+        return known, self._starts[rows] + np.where(known, k, 0)
+
+    def knows_exit(self, output_indices: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Whether each row was sent the exit depth of its output's position (else it stops before looping it)."""
+        return self._entries(output_indices, rows)[0]
+
+    def before_pass(self, runner: ModelRunner, columns: PassColumns) -> None:
+        return None
+
+    def after_pass(self, runner: ModelRunner, columns: PassColumns, width: int, before: None,
+                   rows: _Rows, looping: np.ndarray) -> np.ndarray:
+        """bool [len(looping)]: the rows whose position reached its planned depth (no readback)."""
+        _, entries = self._entries(rows.indices[looping], looping)
+        return rows.depths[looping] >= self._depths[entries]
+
+    def stop_tokens(self, runner: ModelRunner, tokens: torch.Tensor,
+                    stop_ids: list[frozenset[int]]) -> tuple[torch.Tensor, np.ndarray]:
+        """(the tokens, on the device, for the result; no row stops: nothing is read back)."""
+        return tokens, np.zeros(len(stop_ids), dtype=bool)

@@ -110,6 +110,30 @@ def assert_host_work(work: HostWork, most_boundary_uploads: int) -> None:
     assert all(p.uploads <= 2 and not p.readbacks for p in work.plans)  # outside its passes and boundaries
 
 
+@pytest.mark.parametrize(("mode", "kv_layout"), [("trace", "last_exited"), ("fixed", "shared")])
+def test_planned_exits_read_nothing_back(mode: str, kv_layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fixed / trace with 4·D passes per plan (ExitTest.PLANNED): the passes and boundaries upload as
+    the device tests' do but read nothing back, so a plan's work queues without a sync; requests that
+    stop on a token mid-plan (their later rows dropped as stale) still give the reference's outputs."""
+    depth = DEPTH["toy-ouro"]
+    jobs = make_workload(random.Random(f"host-work-{mode}"), 6, depth=depth, exit_mode=mode,
+                         sampling=("greedy", "top_p"), max_prompt_len=8, max_tokens=9, spread=1)
+    with make_llm("toy-ouro", exit_mode=mode, kv_layout=kv_layout, loops_per_plan=4 * depth, max_num_seqs=4) as llm:
+        runner = llm.engine.executor._worker.runner
+        runner.use_pass_graphs(emulate=True)
+        with count_host_work(runner, monkeypatch) as work:
+            run = run_workload(llm, jobs)
+        assert_matches_reference(run, "toy-ouro", kv_layout=kv_layout, exit_mode=mode)
+        run.assert_resources_returned()
+        stopped_mid_plan = llm.engine.scheduler.stats.num_stale_rows
+    assert len(work.passes) > len(work.plans) > 0
+    assert all((p.uploads, p.readbacks) == (1, 0) for p in work.passes)
+    assert all(b.readbacks == 0 and b.uploads <= 2 + (kv_layout == "last_exited") for b in work.boundaries)
+    assert any(b.uploads for b in work.boundaries)
+    assert all(p.uploads <= 2 and not p.readbacks for p in work.plans)
+    assert stopped_mid_plan > 0  # a stop token's later outputs were sampled and dropped
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_same_counts_on_cuda_with_captured_graphs(compiled: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -127,3 +151,32 @@ def test_the_same_counts_on_cuda_with_captured_graphs(compiled: None, monkeypatc
         stats = runner.graph_stats
     assert stats is not None and stats["replays"] == len(work.passes) and stats["eager_passes"] == 0
     assert_host_work(work, most_boundary_uploads=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_planned_plans_queue_without_a_sync_on_cuda(compiled: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """trace with 4·D passes per plan (ExitTest.PLANNED) on CUDA, captured pass and CODA graphs: no
+    DecodeBatch waits for the device (torch's sync debug mode raises at any synchronising call inside
+    DecodeLoop.run), none reads back, every pass is a graph replay."""
+    depth = DEPTH["toy-ouro"]
+    jobs = make_workload(random.Random("planned-cuda"), 6, depth=depth, exit_mode="trace",
+                         sampling=("greedy", "top_p"), max_prompt_len=8, max_tokens=9, spread=1)
+    real_run = DecodeLoop.run
+
+    def run_without_syncs(loop: DecodeLoop, *args: object) -> object:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return real_run(loop, *args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(DecodeLoop, "run", run_without_syncs)  # count_host_work wraps this one
+    with make_llm("toy-ouro", exit_mode="trace", device="cuda", dtype="float32", attention_backend="triton",
+                  cuda_graphs=True, loops_per_plan=4 * depth, max_num_seqs=4) as llm:
+        runner = llm.engine.executor._worker.runner
+        with count_host_work(runner, monkeypatch) as work:
+            run_workload(llm, jobs)
+        stats = runner.graph_stats
+    assert stats is not None and stats["replays"] == len(work.passes) > len(work.plans) and stats["eager_passes"] == 0
+    assert not any(p.readbacks for p in work.passes + work.boundaries + work.plans)

@@ -44,8 +44,9 @@ from rlt_worker.exit_tests import PassRows, make_exit_test
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
+# Planned exits (fixed, trace) run in the decode loop too once a plan has several passes (ExitTest.PLANNED).
 MODES = {"ouro": ("toy-ouro", 0.5), "ouro_delayed": ("toy-ouro", 0.5), "kl": ("toy-huginn", 0.3),
-         "latent_diff": ("toy-huginn", 0.3)}
+         "latent_diff": ("toy-huginn", 0.3), "trace": ("toy-ouro", None), "fixed": ("toy-huginn", None)}
 
 
 # ------------------------------------------------------------------------------- the tests alone
@@ -153,7 +154,7 @@ def ended_mid_plan(run: Driver) -> list[str]:
     return reasons
 
 
-@pytest.mark.parametrize("mode", ["ouro", "kl"])
+@pytest.mark.parametrize("mode", ["ouro", "kl", "trace"])
 def test_no_refill_with_several_passes(mode: str) -> None:
     """no_refill: a row stops at its exit (EXITED) and the cohort's boundary work runs together in
     a later plan; the outputs are still the reference's."""
@@ -237,7 +238,8 @@ def test_abort_mid_plan_drops_its_rows_and_the_id_is_reused() -> None:
 # ------------------------------------------------------------------------------- preemption, graphs
 
 
-PREEMPT = [("ouro", "swap"), ("latent_diff", "recompute"), ("kl", "swap"), ("ouro_delayed", "recompute")]
+PREEMPT = [("ouro", "swap"), ("latent_diff", "recompute"), ("kl", "swap"), ("ouro_delayed", "recompute"),
+           ("trace", "swap"), ("fixed", "recompute")]
 
 
 @pytest.mark.parametrize("mode,preemption", PREEMPT, ids=["-".join(c) for c in PREEMPT])

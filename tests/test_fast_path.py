@@ -12,9 +12,21 @@ import random
 from collections import Counter
 
 import pytest
-from factories import DEPTH, MODELS, assert_matches_reference, loop_rows, make_llm, make_workload, run_workload
+from factories import (
+    DEPTH,
+    MODELS,
+    Job,
+    assert_matches_reference,
+    in_plan_refills,
+    loop_rows,
+    make_llm,
+    make_params,
+    make_prompt,
+    make_workload,
+    run_workload,
+)
 
-from protocol.messages import DecodeBatch
+from protocol.messages import DecodeBatch, ExitTest
 from rlt_worker.cuda_graphs import LoopPassGraphs
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -27,7 +39,9 @@ def _jobs(model: str, exit_mode: str) -> list:
 
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("exit_mode", ["fixed", "trace"])
-def test_multi_loop_plans_match_single_loop(model: str, exit_mode: str) -> None:
+def test_multi_pass_plans_match_single_loop(model: str, exit_mode: str) -> None:
+    """One loop per plan: planned RecurrentBatch rows. Several: the worker's decode loop runs planned
+    exits (ExitTest.PLANNED) and refills exited rows inside the plan. Same tokens and exit depths."""
     jobs = _jobs(model, exit_mode)
     runs = {}
     for loops_per_plan in (1, DEPTH[model]):
@@ -41,11 +55,43 @@ def test_multi_loop_plans_match_single_loop(model: str, exit_mode: str) -> None:
     for a, b in zip(single.lives, multi.lives, strict=True):
         assert (a.final.token_ids, a.final.exit_depths) == (b.final.token_ids, b.final.exit_depths)
     assert max(r.num_loops for p in single.plans for r in loop_rows(p)) == 1
-    assert max(r.num_loops for p in multi.plans for r in loop_rows(p)) == DEPTH[model]
-    # Rows of different loop counts share a plan (each leaves the runner's pass when its count ends).
+    assert not any(isinstance(b, DecodeBatch) for p in single.plans for b in p.batches)
+    decode = [b for p in multi.plans for b in p.batches if isinstance(b, DecodeBatch)]
+    assert decode and {b.exit_test for b in decode} == {ExitTest.PLANNED} and not any(loop_rows(p) for p in multi.plans)
+    assert max(Counter(p.step_id for p in multi.passes).values()) > 1  # plans of several passes
     if exit_mode == "trace":
-        assert any(len({r.num_loops for r in loop_rows(p)}) >= 2 for p in multi.plans)
+        assert in_plan_refills(multi.passes), "no exited row took its next position inside a plan"
     assert len(multi.plans) < len(single.plans)
+
+
+def _ideal_passes(jobs: list) -> int:
+    """Loop passes of a workload whose requests all start together and never idle: the most loops any
+    one request runs after its prompt (output 0's position loops in PREFILL)."""
+    return max(sum(job.params.exit_depths[1:]) for job in jobs)
+
+
+@pytest.mark.parametrize("in_flight", [1, 2])
+@pytest.mark.parametrize("concurrency", [1, 8])
+def test_planned_rows_refill_in_the_plan(concurrency: int, in_flight: int) -> None:
+    """Issue 19: with 4·D passes per plan, a trace row that exits early takes its next position at the
+    next pass instead of idling until the plan's deepest row ends, so c rows of mixed depths run about
+    as many passes as the deepest request's loops (before: about c-row max depth per token, fixed's),
+    pipelined or not, with the reference's tokens and exit depths."""
+    depth, rng = DEPTH["toy-ouro"], random.Random(f"refill-{concurrency}")
+    jobs = [Job(f"r{i}", make_prompt(rng, 4), make_params(rng, depth=depth, exit_mode="trace", max_tokens=12,
+                                                           ignore_eos=True))
+            for i in range(concurrency)]
+    with make_llm("toy-ouro", exit_mode="trace", loops_per_plan=4 * depth, max_num_seqs=concurrency,
+                  max_plans_in_flight=in_flight) as llm:
+        run = run_workload(llm, jobs)
+        assert_matches_reference(run, "toy-ouro", kv_layout="last_exited", exit_mode="trace")
+        run.assert_resources_returned()
+    ideal = _ideal_passes(jobs)
+    per_token_max = sum(max(job.params.exit_depths[i] for job in jobs) for i in range(1, 12))
+    assert ideal <= len(run.passes) <= 1.05 * ideal, (len(run.passes), ideal, per_token_max)
+    if concurrency > 1:
+        assert 1.05 * ideal < per_token_max  # the workload tells the two apart
+    assert len(run.plans) < 12  # several tokens per plan (one per token before)
 
 
 def test_loops_per_plan_defaults() -> None:

@@ -126,12 +126,14 @@ def late_prompt_jobs(mode: str) -> list[Job]:
     return [first, late]
 
 
-def test_the_first_token_follows_the_last_riding_chunk_in_its_plan():
-    """ouro (the worker decides exits): the last chunk's plan also samples the prompt's first token,
-    once the chunk's D loops have run, and ends there (a prompt is pending: at most D passes), so the
-    token comes with that plan's result; a chunk that runs alone (no loop rows to ride) is followed
-    by its boundary in its plan as before."""
-    run = run_jobs("toy-ouro", "ouro", late_prompt_jobs("ouro"), mixed=True, loops_per_plan=16)
+@pytest.mark.parametrize("mode", ["ouro", "trace"])
+def test_the_first_token_follows_the_last_riding_chunk_in_its_plan(mode):
+    """DecodeBatch rows (ouro: the worker decides exits; trace with several passes per plan: planned
+    exits): the last chunk's plan also samples the prompt's first token, once the chunk's D loops have
+    run, and ends there (a prompt is pending: at most D passes), so the token comes with that plan's
+    result; a chunk that runs alone (no loop rows to ride) is followed by its boundary in its plan as
+    before."""
+    run = run_jobs("toy-ouro", mode, late_prompt_jobs(mode), mixed=True, loops_per_plan=16)
     keys = {life.job.request_id: life.key for life in run.lives}
     chunks = [(p.step_id, b) for p in run.plans for b in p.batches if isinstance(b, PrefillBatch)]
     assert [b.rides_loop_passes for _, b in chunks] == [False, True, True, True]
@@ -146,9 +148,9 @@ def test_the_first_token_follows_the_last_riding_chunk_in_its_plan():
 
 
 def test_after_a_riding_chunk_planned_exits_sample_in_the_next_plan():
-    """trace: the boundary of a riding last chunk would be CODA rows, which run before the plan's loop
-    passes; it waits for the next plan."""
-    run = run_jobs("toy-ouro", "trace", late_prompt_jobs("trace"), mixed=True, loops_per_plan=4)
+    """trace at one pass per plan (RecurrentBatch rows): the boundary of a riding last chunk would be
+    CODA rows, which run before the plan's loop passes; it waits for the next plan."""
+    run = run_jobs("toy-ouro", "trace", late_prompt_jobs("trace"), mixed=True, loops_per_plan=1)
     key = next(life.key for life in run.lives if life.job.request_id == "late")
     riding = [i for i, p in enumerate(run.plans) for b in p.batches
               if isinstance(b, PrefillBatch) and b.rides_loop_passes and key in b.col("keys").tolist()]
@@ -267,13 +269,13 @@ def last_chunk_plans(run: Driver) -> dict[int, int]:
     return out
 
 
-@pytest.mark.parametrize(("mode", "loops_per_plan"), [("ouro", 16), ("trace", 6)])
+@pytest.mark.parametrize(("mode", "loops_per_plan"), [("ouro", 16), ("trace", 1)])
 def test_pipelined_mixed_batches_with_prefill_graphs_equal_synchronous_separate_passes(mode, loops_per_plan):
     """Two plans in flight, chunks riding the passes, decode and prefill graphs emulated (chunks that
     find no rows to ride replay prefill graphs): the outputs of one plan at a time with separate,
     eager passes. The plan after a riding last chunk, built while that one was in flight, assumes only
     what it scheduled: under ouro it continues the output-0 row the riding plan held (`continues`);
-    under trace it carries the boundary's CODA rows."""
+    under trace at one pass per plan (RecurrentBatch rows) it carries the boundary's CODA rows."""
     jobs = jobs_for("toy-ouro", mode)
     options = dict(loops_per_plan=loops_per_plan)
     separate = run_jobs("toy-ouro", mode, jobs, mixed=False, max_plans_in_flight=1, **options)

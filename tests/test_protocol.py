@@ -172,6 +172,9 @@ def coda_batches(draw: Any) -> CodaBatch:
 def decode_batches(draw: Any) -> DecodeBatch:
     n = draw(ROWS)
     min_loops = draw(col(st.integers(1, 32), n))
+    exit_test = draw(st.sampled_from(ExitTest))
+    # Planned exit depths: one count per row under PLANNED; other tests may send them or not.
+    num_planned = draw(col(st.integers(0, 8), n)) if exit_test == ExitTest.PLANNED or draw(st.booleans()) else []
     return DecodeBatch(
         keys=pack(draw(col(INT64, n)), I64),
         generations=pack(draw(col(INT64, n)), I64),
@@ -185,9 +188,11 @@ def decode_batches(draw: Any) -> DecodeBatch:
         max_loops=pack([m + draw(st.integers(0, 32)) for m in min_loops], I32),
         thresholds=pack(draw(col(ANY_FLOAT, n)), F64),
         continues=pack(draw(col(st.integers(0, 1), n)), I32),
-        exit_test=draw(st.sampled_from(ExitTest)),
+        exit_test=exit_test,
         max_passes=draw(st.integers(1, 1024)),
         refill=draw(st.booleans()),
+        num_planned=pack(num_planned, I32),
+        planned_depths=pack(draw(col(st.integers(1, 64), sum(num_planned))), I32),
     )
 
 
@@ -469,6 +474,11 @@ def _one_row_of_each_batch() -> list[Any]:
                     exit_states=pack([0.25], F64), output_indices=pack([1], I32), seeds=pack([5], U64),
                     min_loops=pack([1], I32), max_loops=pack([4], I32), thresholds=pack([0.5], F64),
                     continues=pack([1], I32), exit_test=ExitTest.KL, max_passes=8),
+        DecodeBatch(keys=k, generations=g, positions=pack([3], I32), depths=pack([0], I32), exited=pack([1], I32),
+                    exit_states=pack([1.0], F64), output_indices=pack([1], I32), seeds=pack([5], U64),
+                    min_loops=pack([1], I32), max_loops=pack([4], I32), thresholds=pack([0.0], F64),
+                    continues=pack([0], I32), exit_test=ExitTest.PLANNED, max_passes=16,
+                    num_planned=pack([3], I32), planned_depths=pack([2, 4, 1], I32)),
     ]
 
 
@@ -924,3 +934,25 @@ def test_256_row_decode_plan_is_columnar() -> None:
     encoded = codec.encode(ExecutionPlan(step_id=1, batches=[batch]))
     assert len(encoded) < rows * (8 + 8 + 4 * 3 + 8 + 4 + 8 + 4 * 2 + 8 + 4) + 200, len(encoded)
     assert codec.decode(encoded).batches[0] == batch
+
+
+def test_planned_depths_must_fit_their_rows() -> None:
+    """PLANNED needs one count per row, and the depths must be as many as the counts say, each ≥ 1."""
+    def batch(exit_test: ExitTest, num_planned: list[int], depths: list[int]) -> DecodeBatch:
+        return DecodeBatch(keys=pack([7, 8], I64), generations=pack([1, 1], I64), positions=pack([3, 4], I32),
+                           depths=pack([0, 0], I32), exited=pack([0, 0], I32), exit_states=pack([1.0, 1.0], F64),
+                           output_indices=pack([1, 2], I32), seeds=pack([5, 6], U64), min_loops=pack([1, 1], I32),
+                           max_loops=pack([4, 4], I32), thresholds=pack([0.0, 0.0], F64),
+                           continues=pack([0, 0], I32), exit_test=exit_test, num_planned=pack(num_planned, I32),
+                           planned_depths=pack(depths, I32))
+
+    assert batch(ExitTest.PLANNED, [2, 1], [3, 1, 4]).col("planned_depths").tolist() == [3, 1, 4]
+    assert batch(ExitTest.OURO, [], []).num_rows == 2  # a device test may leave them out
+    with pytest.raises(ValueError, match="num_planned"):
+        batch(ExitTest.PLANNED, [], [])
+    with pytest.raises(ValueError, match="num_planned"):
+        batch(ExitTest.OURO, [1], [2])
+    with pytest.raises(ValueError, match="planned_depths length"):
+        batch(ExitTest.PLANNED, [2, 1], [3, 1])
+    with pytest.raises(ValueError, match="planned_depths"):
+        batch(ExitTest.PLANNED, [1, 1], [3, 0])
