@@ -68,6 +68,7 @@ class LLMEngine:
             prompt_kv_seeded=ready.model.family == "huginn" and config.state_init == "random",
             max_plans_in_flight=config.max_plans_in_flight,
             mixed_batches=config.mixed_batches,
+            max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
         )
         self.scheduler = Scheduler(scheduler_config, self.policy, kv_managers, self.rng)
         self._in_flight = [0] * len(readies)  # per worker: plans submitted whose result is not read yet

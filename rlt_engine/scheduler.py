@@ -13,8 +13,9 @@ loop boundaries:
        (fixed, trace) when a plan runs several passes, a live position is one DecodeBatch row
        instead: the worker loops it, tests it (or follows the depths the row carries), samples and
        refills in the plan
-    3. prompt chunks of admitted requests, within max_num_batched_tokens; with mixed batches
-       they ride the loop passes of step 2's rows (prefill_mixing.py)
+    3. prompt chunks of admitted requests, within max_num_batched_tokens, and within
+       max_prefill_tokens_while_decoding while a request on the worker decodes (prefill_budget.py);
+       with mixed batches they ride the loop passes of step 2's rows (prefill_mixing.py)
 
 `update(worker, result)` applies a StepResult: tokens, exit depths, exit states, finishes, as if
 the host had decided them. With pipelined plans (max_plans_in_flight = 2) the next plan is built
@@ -38,6 +39,7 @@ from rlt_engine.kv_manager import KVManager
 from rlt_engine.placement import Placement
 from rlt_engine.plan_builder import DecodeSettings, PlanBuilder
 from rlt_engine.preemption import make_preemption
+from rlt_engine.prefill_budget import make_prefill_budget
 from rlt_engine.prefill_mixing import make_prefill_mixing
 from rlt_engine.prefix_cache import BlockHasher, NoPrefixCaching
 from rlt_engine.request import Phase, Request, RequestStatus
@@ -75,6 +77,7 @@ class SchedulerConfig:
     prompt_kv_seeded: bool = False  # Huginn's random state init: the prompt's K/V depends on its seed too
     max_plans_in_flight: int = 1  # 2: a worker's next plan is built before its last one's result is read
     mixed_batches: bool = False  # prompt chunks ride the loop passes of the step's decode rows
+    max_prefill_tokens_while_decoding: int = 0  # prompt tokens per step while a request decodes (0: no cap)
 
 
 @dataclass
@@ -100,6 +103,7 @@ class Scheduler(SchedulerFaults):
         self.rng = rng
         self.preemption = make_preemption(config.preemption)
         self.mixing = make_prefill_mixing(config.mixed_batches)
+        self.prefill_budget = make_prefill_budget(config.max_prefill_tokens_while_decoding)
         exit_test = policy.exit_test
         if exit_test is None and config.loops_per_plan > 1:
             # Several passes per plan: planned positions loop in the worker's decode loop too, so a row
@@ -231,6 +235,7 @@ class Scheduler(SchedulerFaults):
                     self._schedule_boundary(plan, request)
                     budget -= 1
         rides = self.mixing.rides(plan)
+        budget = self.prefill_budget.tokens(book.running, budget)
         for request in list(book.running):
             if budget <= 0:
                 break

@@ -128,6 +128,26 @@ def test_mixed_workloads_run_an_engine_with_mixed_batches(tmp_path, one_thread: 
         assert run["finished"] == 8 and 1.0 <= run["loops_per_generated_token"] < 4.0
 
 
+def test_uncapped_workloads_run_an_engine_without_the_prefill_cap(tmp_path, capsys: pytest.CaptureFixture[str],
+                                                                  one_thread: None) -> None:
+    """`trace_uncapped` is `trace` on an engine with max_prefill_tokens_while_decoding = 0, beside one
+    with the flag's cap, gated against the same reference; the end of the run prints the pair."""
+    out = tmp_path / "bench.json"
+    argv = [*TOY_GRID, "--prompt-len", "40", "--prefill-chunk-size", "8", "--concurrency", "4", "--exit",
+            "trace,trace_uncapped", "--max-prefill-tokens-while-decoding", "8", "--no-warmup", "--json", str(out)]
+    assert main(argv) == 0
+    payload = json.loads(out.read_text())
+    assert [r["exit_mode"] for r in payload["results"]] == ["trace", "trace_uncapped"]
+    assert {key: e["max_prefill_tokens_while_decoding"] for key, e in payload["meta"]["engine"].items()} == {
+        "workers=0,exit=trace": 8, "workers=0,exit=trace_uncapped": 0}
+    assert {key: g["equal"] for key, g in payload["meta"]["gate"].items()} == {
+        "workers=0,exit=trace": 8, "workers=0,exit=trace_uncapped": 8}
+    for r in payload["results"]:
+        (run,) = r["runs"]
+        assert run["finished"] == 8 and 1.0 <= run["loops_per_generated_token"] < 4.0
+    assert "trace / trace_uncapped (prefill cap on / off), workers=0 c=4: ITL p99/p50" in capsys.readouterr().err
+
+
 def test_kv_layout_reaches_the_engines_and_the_gate(tmp_path, one_thread: None) -> None:
     """`--kv-layout shared` builds one-plane engines, gated against a SHARED torch-path reference."""
     out = tmp_path / "bench.json"

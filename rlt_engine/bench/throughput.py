@@ -23,6 +23,12 @@ c requests in flight until 2·c (`--requests-factor`) have been submitted, each 
                  the workload without the suffix on an engine with `mixed_batches` (prompt chunks
                  ride the decode rows' loop passes), so one grid compares ITL p50/p99 with mixing
                  on and off (not in the default list)
+    exit fixed_uncapped, trace_uncapped, ouro_uncapped, kl_uncapped, latent_diff_uncapped
+                 the workload without the suffix on an engine with max_prefill_tokens_while_decoding
+                 = 0 (a step carries prompt tokens up to max_num_batched_tokens while others decode),
+                 so one grid compares ITL p50/p99, tokens/s and TTFT with the cap
+                 (`--max-prefill-tokens-while-decoding`, default the engine's) and without (not in
+                 the default list; the end of the run prints each pair side by side)
     exit shallow every generated position at depth 1 (exit trace): with fixed beside it, the
                  per-loop cost at each (workers, c), from which the end of the run prints how much of
                  the ideal speed-up over fixed the trace run reached (not in the default list)
@@ -53,6 +59,7 @@ as partial; medians use the complete runs when there is one), and the whole grid
     rlt-bench throughput --exit shared_prefix_cached,shared_prefix_uncached --prompt-len 1024 \
         --shared-prefix-len 960 --output-len 32 --concurrency 64 --requests-factor 1   # issue 21's workload
     rlt-bench throughput --exit trace,trace_mixed,ouro,ouro_mixed --concurrency 32 --workers 0   # mixing off / on
+    rlt-bench throughput --exit trace,trace_uncapped --concurrency 32 --workers 0   # prefill cap on / off
 """
 
 from __future__ import annotations
@@ -79,13 +86,15 @@ from rlt_engine.bench.report import free_device, log, pyplot
 HBM_TBPS = 4.3  # H200 device-to-device copy rate measured here (KINDS.md), bytes read + written
 DECODE_WORKLOADS = ("fixed", "trace", "ouro", "kl", "latent_diff")
 MIXED = "_mixed"  # a decode workload's name + this: the same with mixed_batches on (ouro_mixed, …)
+UNCAPPED = "_uncapped"  # … the same with max_prefill_tokens_while_decoding = 0 (trace_uncapped, …)
 GATE_WORKLOADS = ("ouro", "kl", "latent_diff")  # exits decided by a signal of the model
 # A gate workload's name + this: trace, each request replaying the exit depths the gate workload gave
 # it in the same invocation (same workers, concurrency and prompts): what the gate's decisions cost.
 REPLAY = "_replay"
 SHALLOW = "shallow"  # trace at depth 1 after output 0: with fixed, the per-loop cost of a grid's (workers, c)
 WORKLOADS = (*DECODE_WORKLOADS, SHALLOW, "prefill", "shared_prefix_cached", "shared_prefix_uncached",
-             *(mode + MIXED for mode in DECODE_WORKLOADS), *(mode + REPLAY for mode in GATE_WORKLOADS))
+             *(mode + suffix for suffix in (MIXED, UNCAPPED) for mode in DECODE_WORKLOADS),
+             *(mode + REPLAY for mode in GATE_WORKLOADS))
 SHARED_PREFIX = ("shared_prefix_cached", "shared_prefix_uncached")  # exit fixed, prefix caching on / off
 OURO_THRESHOLD = 0.63  # see --ouro-threshold: 0.6 gave 2.36 and 0.7 2.80 loops (docs/benchmarks.md)
 # synthetic-huginn-3.5b: about 15 and 14 loops per position in the CPU check of
@@ -472,9 +481,12 @@ class Grid:
         options = dict(self._options(_engine_exit(mode)), workers=workers, attention_backend=a.attention_backend,
                        loops_per_plan=a.loops_per_plan, enable_prefix_caching=mode != "shared_prefix_uncached",
                        max_plans_in_flight=a.max_plans_in_flight, mixed_batches=mode.endswith(MIXED))
-        for flag in ("cuda_graphs", "cuda_graph_prefill", "fused_layers"):  # None: the engine's default
+        for flag in ("cuda_graphs", "cuda_graph_prefill", "fused_layers",
+                     "max_prefill_tokens_while_decoding"):  # None: the engine's default
             if getattr(a, flag) is not None:
                 options[flag] = getattr(a, flag)
+        if mode.endswith(UNCAPPED):
+            options["max_prefill_tokens_while_decoding"] = 0
         return options
 
     def workload(self, mode: str, output_len: int) -> Workload:
@@ -591,6 +603,7 @@ class Grid:
             self.meta.setdefault("engine", {})[key] = {
                 "startup_s": startup_s, "num_blocks": kv.num_blocks, "num_planes": kv.num_planes, "depth": self.depth,
                 "mixed_batches": engine.config.mixed_batches,
+                "max_prefill_tokens_while_decoding": engine.config.max_prefill_tokens_while_decoding,
             }
             reference = self.references.get(_engine_exit(exit_mode))
             if reference is not None and a.dtype != self.gate_dtype:
@@ -730,10 +743,10 @@ class ReplayError(RuntimeError):
 
 def _engine_exit(mode: str) -> str:
     """The engine's exit_mode for a workload (prefill: one token per request, fixed; shared prefix: fixed;
-    a mixed one: its base workload's; a replay and shallow: trace)."""
+    a mixed or uncapped one: its base workload's; a replay and shallow: trace)."""
     if mode.endswith(REPLAY) or mode == SHALLOW:
         return "trace"
-    return "fixed" if mode == "prefill" or mode in SHARED_PREFIX else mode.removesuffix(MIXED)
+    return "fixed" if mode == "prefill" or mode in SHARED_PREFIX else mode.removesuffix(MIXED).removesuffix(UNCAPPED)
 
 
 def _hit_ratio(before: Any, after: Any) -> float | None:
@@ -927,6 +940,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="PREFILL chunk passes from CUDA graphs too (default: the engine's, on with --cuda-graphs)")
     p.add_argument("--fused-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="Ouro's layers through the fused Triton kernels (default: the engine's, on for CUDA + Triton)")
+    p.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None,
+                   help="prompt tokens per step while a request decodes (default: the engine's; the *_uncapped "
+                        "workloads run with 0, no cap)")
     p.add_argument("--loops-per-plan", type=int, default=0, help="0 = the engine's default (4·D on CUDA, 1 on CPU)")
     p.add_argument("--max-plans-in-flight", type=int, default=0, choices=(0, 1, 2),
                    help="2: pipelined plans, 1: synchronous, 0 = the engine's default (2 on CUDA, 1 on CPU)")
@@ -1003,7 +1019,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot:
         plot(grid.results, args.plot, _title(grid.meta))
     print(table(grid.results))
-    for line in worker_ratios(grid.results) + replay_ratios(grid.results) + loop_speedups(grid.results):
+    for line in (worker_ratios(grid.results) + replay_ratios(grid.results) + loop_speedups(grid.results)
+                 + cap_effects(grid.results)):
         log(line)
     return 0
 
@@ -1037,6 +1054,24 @@ def replay_ratios(results: Sequence[ConfigResult]) -> list[str]:
             tps = by_key[(workers, base, c)]
             lines.append(f"{base} / {mode} (trace over {base}'s exit depths), workers={workers} c={c}: "
                          f"{tps / replay_tps:.3f} ({tps:.1f} / {replay_tps:.1f} tok/s)")
+    return lines
+
+
+def cap_effects(results: Sequence[ConfigResult]) -> list[str]:
+    """Each workload beside its *_uncapped one (same workers and c): ITL p99 / p50, output tokens/s, TTFT p50."""
+    by_key = {(r.workers, r.exit_mode, r.concurrency): r.median for r in results if r.runs}
+    lines = []
+    for (workers, mode, c), capped in by_key.items():
+        uncapped = by_key.get((workers, mode + UNCAPPED, c))
+        if uncapped is None:
+            continue
+        spread = ["—" if m["itl_p50_s"] is None or m["itl_p99_s"] is None else f"{m['itl_p99_s'] / m['itl_p50_s']:.2f}"
+                  for m in (capped, uncapped)]
+        lines.append(f"{mode} / {mode}{UNCAPPED} (prefill cap on / off), workers={workers} c={c}: ITL p99/p50 "
+                     f"{spread[0]} / {spread[1]}, ITL p99 {_ms(capped['itl_p99_s'])} / {_ms(uncapped['itl_p99_s'])} "
+                     f"ms, output tok/s {capped['tokens_per_s'] / uncapped['tokens_per_s']:.3f}× "
+                     f"({capped['tokens_per_s']:.1f} / {uncapped['tokens_per_s']:.1f}), TTFT p50 "
+                     f"{_ms(capped['ttft_p50_s'])} / {_ms(uncapped['ttft_p50_s'])} ms")
     return lines
 
 
