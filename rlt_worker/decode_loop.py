@@ -23,16 +23,19 @@ result: such a row `continues`, and starts where the slot's previous row stopped
 exited, output index, exit state: the slot table's `DecodeCursors`, written as every row stops), or
 does nothing if that row ended its request.
 
-The loop itself is host-driven: the exit test and the boundary run as eager torch ops on the
-state a pass left (a graph replay when one fits), and the host reads back a few bytes per pass to
-choose the next pass's rows. Nothing else leaves the device until the StepResult is built. The host
-keeps the rows' columns and sends each pass's rows in one copy (`ModelRunner.pass_columns`: into the
-graph's static inputs when a graph runs the pass, and the exit test reads them there); what the test
-reads per slot (limits, threshold, exit state) stays on the device in `DecodeCursors.loop_limits` and
+The loop itself is host-driven: the host reads back a few bytes per pass to choose the next pass's
+rows. Nothing else leaves the device until the StepResult is built. The host keeps the rows' columns
+and sends each pass's rows in one copy (`ModelRunner.pass_columns`: into the graph's static inputs
+when a graph runs the pass, and the exit test reads them there); what the test reads per slot
+(limits, threshold, exit state) stays on the device in `DecodeCursors.loop_limits` and
 `exit_values`, written at the plan's start, by the test, and at each PRELUDE, so a pass needs no
-other upload:
+other upload. The exit test's strategy is chosen once per batch (`ModelRunner.exit_step`,
+rlt_worker/exit_graphs.py): after a graph-replayed pass, Ouro's tests replay a graph of their own
+(one launch, no eager op); KL and LATENT, and every test after an eager pass, run as eager torch
+ops on the state the pass left. The boundary's work is eager (CODA: a graph when one fits):
 
     per pass       1 upload (slots, positions, depths)        1 readback (exits)
+                   1 graph replay + 1 exit-test replay (Ouro, graphs on), or the pass's and the test's eager ops
     per boundary   ≤ 3 uploads (FINALIZE, CODA, PRELUDE)      1 readback (tokens)
     per plan       + 2 uploads (the rows' exit-test columns, the exit states of the rows reported RECURRENT)
 """
@@ -46,15 +49,13 @@ import numpy as np
 import torch
 
 from protocol.messages import DecodeBatch, Stage
-from rlt_worker.exit_tests import PassRows, make_exit_test
+from rlt_worker.exit_tests import EXIT_STATE
 from rlt_worker.step_results import ResultBuilder
 
 if TYPE_CHECKING:
     from rlt_worker.model_runner import ModelRunner
 
 INITIAL_EXIT_STATE = 1.0  # a position's exit state before its first loop (∏ (1 − λ) over no loop)
-# Columns of DecodeCursors.loop_limits (int64) and .exit_values (float64): what the exit test reads of a slot.
-MIN_LOOPS, MAX_LOOPS = THRESHOLD, EXIT_STATE = range(2)
 
 
 class ContinuationError(RuntimeError):
@@ -72,10 +73,11 @@ class DecodeCursors:
         self.indices = np.zeros(num_slots, dtype=np.int64)
         self.ended = np.zeros(num_slots, dtype=bool)  # a token ended the slot's request
         self.is_set = np.zeros(num_slots, dtype=bool)  # the slot has run a DecodeBatch row
-        # What the exit test reads of each slot, gathered once per pass: int64 [slots, 2] min_loops and
-        # max_loops; float64 [slots, 2] threshold and exit state (the test's, as the rows run).
-        self.loop_limits = torch.ones(num_slots, 2, dtype=torch.int64, device=device)
-        self.exit_values = torch.ones(num_slots, 2, dtype=torch.float64, device=device)
+        # What the exit test reads of each slot, gathered once per pass (columns: rlt_worker/exit_tests.py):
+        # int64 [slots + 1, 2] min_loops and max_loops; float64 [slots + 1, 2] threshold and exit state
+        # (the test's, as the rows run). Row `slots` is the dummy slot's: graph padding rows use it.
+        self.loop_limits = torch.ones(num_slots + 1, 2, dtype=torch.int64, device=device)
+        self.exit_values = torch.ones(num_slots + 1, 2, dtype=torch.float64, device=device)
 
     def reset(self, slot: int) -> None:
         """A slot opened (admit or swap import): it has no DecodeBatch row behind it yet."""
@@ -107,7 +109,7 @@ class DecodeLoop:
     def __init__(self, runner: ModelRunner, batch: DecodeBatch) -> None:
         self.runner = runner
         self.batch = batch
-        self.test = make_exit_test(batch.exit_test)
+        self.exit_step = runner.exit_step(batch.exit_test)  # eager, or graphs after graph-replayed passes
         self.rows = self._rows(batch)
 
     def run(self, results: ResultBuilder) -> None:
@@ -194,15 +196,9 @@ class DecodeLoop:
         slots, positions, depths = rows.slots[looping], rows.positions[looping], rows.depths[looping]
         width = runner.table_width(positions)
         columns = runner.pass_columns(slots, positions, depths)  # the pass's one upload
-        previous = runner.state[columns.slots] if self.test.needs_previous_state else None
+        previous = runner.state[columns.slots] if self.exit_step.test.needs_previous_state else None
         runner.loop_pass(slots, positions, depths, width, columns)
-        cursors = runner.decode_cursors
-        limits, values = cursors.loop_limits[columns.slots], cursors.exit_values[columns.slots]
-        pass_rows = PassRows(columns.slots, columns.positions, columns.depths, limits[:, MIN_LOOPS],
-                             limits[:, MAX_LOOPS], values[:, THRESHOLD], width)
-        exits, states = self.test.decide(runner, pass_rows, previous, values[:, EXIT_STATE])
-        if self.test.updates_exit_state:
-            cursors.exit_values[columns.slots, EXIT_STATE] = states
+        exits = self.exit_step.after_pass(columns, width, previous)
         return looping[self.runner.read_back(exits)]  # the pass's readback: which rows go to their boundary
 
     def _after_prefill(self, waiting: np.ndarray, results: ResultBuilder) -> np.ndarray:

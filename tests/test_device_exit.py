@@ -261,10 +261,11 @@ def test_preemption_with_plans_of_several_passes(mode: str, preemption: str) -> 
     assert in_plan_refills(run.passes)
 
 
-@pytest.mark.parametrize("mode", ["ouro", "latent_diff"])
+@pytest.mark.parametrize("mode", ["ouro", "ouro_delayed", "latent_diff"])
 def test_emulated_pass_graphs_with_exits_in_the_worker(mode: str) -> None:
     """The decode loop's passes replay the (emulated) pass graphs, Ouro's exits sample through the
-    CODA graphs; the exit test runs on the state the graph left: the reference's outputs."""
+    CODA graphs; Ouro's tests replay their own graph after each pass (rlt_worker/exit_graphs.py),
+    latent_diff's runs eagerly on the state the graph left: the reference's outputs."""
     model = MODES[mode][0]
     with make_llm(model, exit_mode=mode, loops_per_plan=8, max_num_seqs=6) as llm:
         runner = llm.engine.executor._worker.runner
@@ -273,7 +274,9 @@ def test_emulated_pass_graphs_with_exits_in_the_worker(mode: str) -> None:
         assert_matches_reference(run, model, kv_layout="last_exited", exit_mode=mode)
         stats = runner.graph_stats
     assert stats["replays"] > 0 and stats["eager_passes"] == 0
-    assert (stats["coda_replays"] > 0) == (mode == "ouro")
+    gated = mode.startswith("ouro")
+    assert (stats["coda_replays"] > 0) == gated
+    assert stats["exit_replays"] == (stats["replays"] if gated else 0) and stats["exit_eager"] == 0
 
 
 # ------------------------------------------------------------------------------- plan length
