@@ -28,7 +28,8 @@ from protocol.columns import F64, I32, I64, U64, Columnar
 # 7: WorkerConfig.cuda_graph_prefill and max_num_batched_tokens (PREFILL chunk passes from CUDA graphs).
 # 8: mixed batches: PrefillBatch.rides_loop_passes (the chunks' loops ride the plan's loop passes).
 # 9: planned exits in the decode loop: ExitTest.PLANNED, DecodeBatch.num_planned / planned_depths (the
-#    engine's exit depths of a row's next positions; the worker refills fixed/trace rows in the plan).
+#    engine's exit depths of a row's next positions; the worker refills fixed/trace rows in the plan);
+#    WorkerConfig.exit_tests (the DecodeBatch exit tests whose CUDA graphs the worker captures at start-up).
 PROTOCOL_VERSION = 9
 
 
@@ -96,6 +97,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     cuda_graph_capture: str = "lazy"  # "startup": every graph bucket before WorkerReady | "lazy": at first use
     cuda_graph_prefill: bool = False  # PREFILL chunk loop passes from CUDA graphs too (needs cuda_graphs)
     max_num_batched_tokens: int = 0  # token rows of a plan's largest batch (the prefill graphs' top bucket)
+    # ExitTest values the engine's DecodeBatches may name: their graphs are captured with the passes'
+    # (under the model's default exit mode: OURO, which a model without an exit gate never runs)
+    exit_tests: tuple[int, ...] = ()
 
 
 class WorkerHello(msgspec.Struct, tag=True, array_like=True, kw_only=True):

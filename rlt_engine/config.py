@@ -9,6 +9,7 @@ from typing import Any
 
 from protocol.messages import WorkerConfig
 from rlt_engine.checkpoints import DEFAULT_MODEL, resolve_model
+from rlt_engine.exit_policy import worker_exit_tests
 
 EXIT_MODES = ("fixed", "trace", "ouro", "ouro_delayed", "kl", "latent_diff")
 
@@ -171,6 +172,7 @@ class EngineConfig:
             cuda_graph_capture=self.cuda_graph_capture,
             cuda_graph_prefill=self.cuda_graph_prefill,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            exit_tests=worker_exit_tests(self.exit_mode),
         )
 
 

@@ -185,15 +185,18 @@ class LLMEngine:
         `timeout` bounds the wait for a worker's result (None: wait for one); a serving loop
         passes a short timeout so that it can answer clients in between. With max_plans_in_flight
         = 2 a worker's next plan is built and sent before its last one's result is read, so the
-        engine's work overlaps the worker's.
+        engine's work overlaps the worker's. Workers are filled again before the outputs are returned,
+        except in a step that brings a request's first token (its TTFT would include those plans).
         """
         self._check_responsive()
         changed = self._collect(0.0) if self.executor.has_events else []  # e.g. a death seen meanwhile
         self._submit_idle_workers()
         if self.has_work_in_flight:
             changed += self._collect(timeout)
-        # Submit before publishing: the next plans (and any slot releases) are on their way.
-        self._submit_idle_workers()
+        # Submit before publishing: the next plans (and any slot releases) are on their way. Not when a
+        # first token came: in-process, a DecodeBatch's submit runs its passes, and it would wait for them.
+        if not any(self.outputs.holds_first_output(r) for r in changed):
+            self._submit_idle_workers()
         unique = {request.key: request for request in changed}  # one output per request and step
         return [self.outputs.output(r) for r in unique.values()]
 

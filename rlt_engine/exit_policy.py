@@ -113,6 +113,13 @@ _GATE_TESTS = (ExitTest.OURO, ExitTest.OURO_DELAYED)
 _CODA_SIGNAL_TESTS = (ExitTest.KL, ExitTest.LATENT)
 
 
+def worker_exit_tests(exit_mode: str | None) -> tuple[int, ...]:
+    """The ExitTest values an engine of `exit_mode` may send (WorkerConfig.exit_tests). The model's
+    default mode is not known before the workers load it: then OURO, which applies to gated models."""
+    test = _POLICIES[exit_mode or "ouro"].exit_test
+    return () if test is None else (int(test),)
+
+
 def make_exit_policy(exit_mode: str | None, model: ModelInfo) -> ExitPolicy:
     """The engine's policy: `exit_mode`, or the model family's default, checked against the model."""
     mode = exit_mode or ("ouro" if model.has_exit_gate else "fixed")

@@ -155,6 +155,11 @@ class OutputProcessor:
     def _state(self, request: Request) -> _Tracked:
         return self._tracked[request.key]
 
+    def holds_first_output(self, request: Request) -> bool:
+        """Whether the request has outputs and none of them was delivered yet (its first token is due)."""
+        state = self._tracked.get(request.key)
+        return state is not None and state.sent == 0 and request.num_outputs > 0
+
     def decode(self, request: Request) -> int | None:
         """Decode the request's outputs not decoded yet (flushing once it has finished). When a stop
         string matches in them: the number of outputs that stay, up to and including the token that

@@ -4,8 +4,9 @@ An eager loop pass of the Ouro-1.4B shape is ~1,300 kernel launches, so at every
 host time exceeds its GPU time (docs/benchmarks.md). A captured pass is one graph launch.
 
 What a graph captures: one loop pass of `rows` decode rows (RecurrentBatch rows, or the rows of a
-DecodeBatch pass, whose exit test then runs eagerly on the state the graph left and reads the pass's
-rows from the graph's static inputs: `stage` writes them, `replay` runs them), from the gather
+DecodeBatch pass, whose exit test then reads the pass's rows from the graph's static inputs: `stage`
+writes them, `replay` runs them; Ouro's test replays a graph of its own per rows bucket right after,
+rlt_worker/exit_graphs.py, the others run eagerly on the state the graph left), from the gather
 of their state and injected input out of the runner's per-slot tensors to the scatter of the new
 state back, the K/V writes and the Triton attention included. Its only
 inputs are three static index vectors (slots, positions, depths) of `rows` entries, written by
@@ -33,7 +34,8 @@ themselves: `capture_mib` is the growth of the caching allocator's reserved memo
 `capture_all()` (free device memory would also count other objects of the process being freed). Passes with more
 rows than the largest bucket run eagerly (`eager_passes` counts them). PREFILL chunk passes have graphs
 of their own (rlt_worker/prefill_graphs.py), captured first (they are the largest) in the same pool;
-`prefill_capture_s` and `prefill_capture_mib` are their share of the totals.
+`prefill_capture_s` and `prefill_capture_mib` are their share of the totals. CODA's graphs and the
+exit tests' (per rows bucket only) are captured last, in the same pool.
 
 `emulate=True` (CPU tests) runs the same padded, bucketed, static-buffer function eagerly in
 place of a replay: everything but the capture itself is exercised against the float64 oracle.
@@ -51,7 +53,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from protocol.messages import ExitTest
 from rlt_worker.coda_graphs import CodaGraphs
+from rlt_worker.exit_graphs import ExitTestGraphs
 from rlt_worker.prefill_graphs import PrefillGraphs, next_pow2
 
 if TYPE_CHECKING:
@@ -79,6 +83,9 @@ class GraphStats:
     coda_replays: int = 0  # CODA batches run from a graph (rlt_worker/coda_graphs.py)
     coda_eager: int = 0  # CODA batches that could not (forced tokens, replay rows, too many rows)
     coda_error: str | None = None  # a CODA capture failed: CODA runs eagerly (the passes keep their graphs)
+    exit_replays: int = 0  # DecodeBatch exit tests run from a graph (rlt_worker/exit_graphs.py)
+    exit_eager: int = 0  # graphable exit tests run eagerly, after a pass that ran eagerly
+    exit_error: str | None = None  # an exit-test capture failed: exit tests run eagerly (the passes keep theirs)
     rows: int = 0  # real rows run from graphs
     padded_rows: int = 0  # bucket rows beyond them
     buckets: dict[str, int] = field(default_factory=dict)  # "rows x width" → replays
@@ -101,6 +108,7 @@ class GraphStats:
             "startup_capture_s": round(self.startup_capture_s, 3), "lazy_captures": self.lazy_captures,
             "capture_mib": round(self.capture_mib, 1), "rows": self.rows, "padded_rows": self.padded_rows,
             "coda_replays": self.coda_replays, "coda_eager": self.coda_eager, "coda_error": self.coda_error,
+            "exit_replays": self.exit_replays, "exit_eager": self.exit_eager, "exit_error": self.exit_error,
             "buckets": dict(self.buckets), "error": self.error,
             "prefill_replays": self.prefill_replays, "prefill_eager": self.prefill_eager,
             "prefill_rows": self.prefill_rows, "prefill_padded_rows": self.prefill_padded_rows,
@@ -132,7 +140,8 @@ class LoopPassGraphs:
     """Captures and replays the runner's decode loop passes (see the module docstring)."""
 
     def __init__(
-        self, runner: ModelRunner, dummy_slot: int, scratch_block: int, emulate: bool, prefill_tokens: int = 0
+        self, runner: ModelRunner, dummy_slot: int, scratch_block: int, emulate: bool, prefill_tokens: int = 0,
+        exit_tests: tuple[ExitTest, ...] = (),
     ) -> None:
         self.runner = runner
         self.emulate = emulate
@@ -156,6 +165,8 @@ class LoopPassGraphs:
         self.coda = CodaGraphs(self) if runner.model.info.num_outer_kv_layers == 0 else None
         # PREFILL chunk passes of up to prefill_tokens rows (0: prefill runs eagerly).
         self.prefill = PrefillGraphs(self, prefill_tokens) if prefill_tokens else None
+        # DecodeBatch exit tests after a replayed pass; `exit_tests` are captured at start-up.
+        self.exits = ExitTestGraphs(self, exit_tests)
 
     def widths(self) -> tuple[int, ...]:
         """Every width bucket: MIN_WIDTH, 2·MIN_WIDTH, … below max_width, then max_width."""
@@ -166,8 +177,8 @@ class LoopPassGraphs:
         return (*widths, self.max_width)
 
     def capture_all(self) -> None:
-        """Capture every prefill bucket, then every rows × width bucket, then CODA's: largest first, so
-        the shared pool grows once."""
+        """Capture every prefill bucket, then every rows × width bucket, then CODA's and the exit tests':
+        largest first, so the shared pool grows once."""
         t0, reserved_before = time.perf_counter(), self._reserved()
         if self.prefill is not None:
             captured = self.prefill.capture_all()
@@ -185,6 +196,7 @@ class LoopPassGraphs:
                         self.stats.startup_captures += 1
         if self.coda is not None:
             self.stats.startup_captures += self.coda.capture_all()
+        self.stats.startup_captures += self.exits.capture_all()
         self.stats.startup_capture_s = time.perf_counter() - t0
         self.stats.capture_mib = (self._reserved() - reserved_before) / 2**20
         log.info("captured %d graphs (%d of prefill passes in %.1f s, %.0f MiB; decode passes: %d row × %d width "
@@ -249,6 +261,10 @@ class LoopPassGraphs:
         stats.padded_rows += rows - staged.num_rows
         name = f"{rows}x{width}"
         stats.buckets[name] = stats.buckets.get(name, 0) + 1
+
+    def static_rows(self, rows: int) -> torch.Tensor:
+        """A rows bucket's static inputs, [3, rows]: slots, positions, depths (what `stage` wrote last)."""
+        return self._index[rows]
 
     def _pass(self, rows: int, width: int) -> None:
         """The captured function: one loop pass of the bucket's static rows."""

@@ -25,17 +25,21 @@ result: such a row `continues`, and starts where the slot's previous row stopped
 exited, output index, exit state: the slot table's `DecodeCursors`, written as every row stops), or
 does nothing if that row ended its request.
 
-The loop itself is host-driven: the exit test and the boundary run as eager torch ops on the state a
-pass left (a graph replay when one fits), and the host reads back a few bytes per pass to choose the
-next pass's rows (a device test: `DeviceExits`; planned exits, `PlannedExits`, know them on the
-host, so their plan's passes queue on the device one behind the other). Nothing else leaves the
-device until the StepResult is built. The host keeps the rows' columns and sends each pass's rows in
-one copy (`ModelRunner.pass_columns`: into the graph's static inputs when a graph runs the pass, and
-the exit test reads them there); what the test reads per slot (limits, threshold, exit state) stays
-on the device in `DecodeCursors.loop_limits` and `exit_values`, written at the plan's start, by the
-test, and at each PRELUDE, so a pass needs no other upload:
+The loop itself is host-driven: the host reads back a few bytes per pass to choose the next pass's
+rows (a device test: `DeviceExits`; planned exits, `PlannedExits`, know them on the host, so their
+plan's passes queue on the device one behind the other). Nothing else leaves the device until the
+StepResult is built. The host keeps the rows' columns and sends each pass's rows in one copy
+(`ModelRunner.pass_columns`: into the graph's static inputs when a graph runs the pass, and the exit
+test reads them there); what the test reads per slot (limits, threshold, exit state) stays on the
+device in `DecodeCursors.loop_limits` and `exit_values`, written at the plan's start, by the test,
+and at each PRELUDE, so a pass needs no other upload. A device test's strategy is chosen once per
+batch (`ModelRunner.exit_step`, rlt_worker/exit_graphs.py): after a graph-replayed pass, Ouro's tests
+replay a graph of their own (one launch, no eager op); KL and LATENT, and every test after an eager
+pass, run as eager torch ops on the state the pass left. The boundary's work is eager (CODA: a graph
+when one fits):
 
     per pass       1 upload (slots, positions, depths)        1 readback (exits)
+                   1 graph replay + 1 exit-test replay (Ouro, graphs on), or the pass's and the test's eager ops
     per boundary   ≤ 3 uploads (FINALIZE, CODA, PRELUDE)      1 readback (tokens)
                    (PLANNED: the same uploads, no readback at all)
     per plan       + 2 uploads (the rows' exit-test columns, the exit states of the rows reported RECURRENT)
@@ -50,15 +54,14 @@ import numpy as np
 import torch
 
 from protocol.messages import DecodeBatch, ExitTest, Stage
-from rlt_worker.exit_tests import DeviceExitTest, PassRows, make_exit_test
+from rlt_worker.exit_tests import EXIT_STATE
 from rlt_worker.step_results import ResultBuilder
 
 if TYPE_CHECKING:
+    from rlt_worker.exit_graphs import EagerExitStep
     from rlt_worker.model_runner import ModelRunner, PassColumns
 
 INITIAL_EXIT_STATE = 1.0  # a position's exit state before its first loop (∏ (1 − λ) over no loop)
-# Columns of DecodeCursors.loop_limits (int64) and .exit_values (float64): what the exit test reads of a slot.
-MIN_LOOPS, MAX_LOOPS = THRESHOLD, EXIT_STATE = range(2)
 
 
 class ContinuationError(RuntimeError):
@@ -76,10 +79,11 @@ class DecodeCursors:
         self.indices = np.zeros(num_slots, dtype=np.int64)
         self.ended = np.zeros(num_slots, dtype=bool)  # a token ended the slot's request
         self.is_set = np.zeros(num_slots, dtype=bool)  # the slot has run a DecodeBatch row
-        # What the exit test reads of each slot, gathered once per pass: int64 [slots, 2] min_loops and
-        # max_loops; float64 [slots, 2] threshold and exit state (the test's, as the rows run).
-        self.loop_limits = torch.ones(num_slots, 2, dtype=torch.int64, device=device)
-        self.exit_values = torch.ones(num_slots, 2, dtype=torch.float64, device=device)
+        # What the exit test reads of each slot, gathered once per pass (columns: rlt_worker/exit_tests.py):
+        # int64 [slots + 1, 2] min_loops and max_loops; float64 [slots + 1, 2] threshold and exit state
+        # (the test's, as the rows run). Row `slots` is the dummy slot's: graph padding rows use it.
+        self.loop_limits = torch.ones(num_slots + 1, 2, dtype=torch.int64, device=device)
+        self.exit_values = torch.ones(num_slots + 1, 2, dtype=torch.float64, device=device)
 
     def reset(self, slot: int) -> None:
         """A slot opened (admit or swap import): it has no DecodeBatch row behind it yet."""
@@ -111,7 +115,8 @@ class DecodeLoop:
     def __init__(self, runner: ModelRunner, batch: DecodeBatch) -> None:
         self.runner = runner
         self.batch = batch
-        self.exits = PlannedExits(batch) if batch.exit_test == ExitTest.PLANNED else DeviceExits(batch.exit_test)
+        self.exits = (PlannedExits(batch) if batch.exit_test == ExitTest.PLANNED
+                      else DeviceExits(runner.exit_step(batch.exit_test)))
         self.rows = self._rows(batch)
 
     def run(self, results: ResultBuilder) -> None:
@@ -283,8 +288,8 @@ class DeviceExits:
     """Exits decided by a device test (OURO*, KL, LATENT) after each pass, read back once per pass; a
     boundary reads its tokens back too, so a stop token ends its row at once."""
 
-    def __init__(self, exit_test: ExitTest) -> None:
-        self.test: DeviceExitTest = make_exit_test(exit_test)
+    def __init__(self, exit_step: EagerExitStep) -> None:
+        self.exit_step = exit_step  # eager, or graphs after graph-replayed passes (ModelRunner.exit_step)
 
     def knows_exit(self, output_indices: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Whether each row may loop the position of its output (a test decides every exit: always)."""
@@ -292,19 +297,12 @@ class DeviceExits:
 
     def before_pass(self, runner: ModelRunner, columns: PassColumns) -> torch.Tensor | None:
         """What the test reads of the state before the pass (LATENT: the state itself)."""
-        return runner.state[columns.slots] if self.test.needs_previous_state else None
+        return runner.state[columns.slots] if self.exit_step.test.needs_previous_state else None
 
     def after_pass(self, runner: ModelRunner, columns: PassColumns, width: int, before: torch.Tensor | None,
                    rows: _Rows, looping: np.ndarray) -> np.ndarray:
         """bool [len(looping)]: which of the pass's rows exited (the pass's readback)."""
-        cursors = runner.decode_cursors
-        limits, values = cursors.loop_limits[columns.slots], cursors.exit_values[columns.slots]
-        pass_rows = PassRows(columns.slots, columns.positions, columns.depths, limits[:, MIN_LOOPS],
-                             limits[:, MAX_LOOPS], values[:, THRESHOLD], width)
-        exits, states = self.test.decide(runner, pass_rows, before, values[:, EXIT_STATE])
-        if self.test.updates_exit_state:
-            cursors.exit_values[columns.slots, EXIT_STATE] = states
-        return runner.read_back(exits)
+        return runner.read_back(self.exit_step.after_pass(columns, width, before))
 
     def stop_tokens(self, runner: ModelRunner, tokens: torch.Tensor,
                     stop_ids: list[frozenset[int]]) -> tuple[np.ndarray, np.ndarray]:

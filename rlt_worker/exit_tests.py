@@ -14,6 +14,13 @@ here) and the dense reference's, in the same order, so every decision is bit-for
 OURO_DELAYED needs no memory of its first pass: λ ∈ [0, 1] makes `remaining` non-increasing, so a
 test that passed after loop r passes after every later loop, and "exit after loop r0 + 1, r0 the
 first pass" is "exit after loop d when the test passed after loop d − 1".
+
+`apply` is a test's whole step after a pass: it gathers what the test reads of each row's slot
+(DecodeCursors.loop_limits and exit_values), decides, writes the new exit states back in place and
+returns the exit flags; it reads nothing from the host. The `graphable` tests (OURO, OURO_DELAYED)
+read neither the rows' contexts nor the state before the pass, so their `apply` is captured as a
+graph per rows bucket (rlt_worker/exit_graphs.py) and replayed right after the pass's graph; KL
+(its coda attends: a context per width) and LATENT (the state before the pass) run eagerly.
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ from protocol.messages import ExitTest
 
 if TYPE_CHECKING:
     from rlt_worker.model_runner import ModelRunner
+
+# Columns of DecodeCursors.loop_limits (int64) and .exit_values (float64): what a test reads of a slot.
+MIN_LOOPS, MAX_LOOPS = THRESHOLD, EXIT_STATE = range(2)
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,22 @@ class DeviceExitTest:
 
     needs_previous_state = False  # whether `decide` reads the state before the pass
     updates_exit_state = False  # whether `decide` returns new exit states (else it returns them unchanged)
+    graphable = False  # whether `apply` may run from a graph per rows bucket (no context, no previous state)
+
+    def apply(
+        self, runner: ModelRunner, slots: torch.Tensor, positions: torch.Tensor, depths: torch.Tensor, width: int,
+        previous: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The test after the pass of these rows (int64 [n] each): exits bool [n]; the rows' new exit
+        states go to their slots' DecodeCursors.exit_values."""
+        cursors = runner.decode_cursors
+        limits, values = cursors.loop_limits[slots], cursors.exit_values[slots]
+        rows = PassRows(slots, positions, depths, limits[:, MIN_LOOPS], limits[:, MAX_LOOPS], values[:, THRESHOLD],
+                        width)
+        exits, states = self.decide(runner, rows, previous, values[:, EXIT_STATE])
+        if self.updates_exit_state:
+            cursors.exit_values[slots, EXIT_STATE] = states
+        return exits
 
     def decide(
         self, runner: ModelRunner, rows: PassRows, previous: torch.Tensor | None, exit_states: torch.Tensor
@@ -59,6 +85,7 @@ class OuroTest(DeviceExitTest):
     """Cumulative hazard of the Ouro gate: remaining = ∏ (1 − λ) over the position's loops."""
 
     updates_exit_state = True
+    graphable = True  # the gate reads only the state after the pass
 
     def decide(
         self, runner: ModelRunner, rows: PassRows, previous: torch.Tensor | None, exit_states: torch.Tensor

@@ -40,6 +40,7 @@ from protocol.messages import (
     CodaBatch,
     DecodeBatch,
     ExecutionPlan,
+    ExitTest,
     FinalizeBatch,
     PrefillBatch,
     PreludeBatch,
@@ -52,6 +53,7 @@ from protocol.messages import (
 from rlt_worker.attention import get_backend
 from rlt_worker.cuda_graphs import LoopPassGraphs, StagedPass
 from rlt_worker.decode_loop import DecodeCursors, DecodeLoop
+from rlt_worker.exit_graphs import EagerExitStep, make_exit_step
 from rlt_worker.kv_storage import LAST_EXITED, KVStorage
 from rlt_worker.models.base import LoopedModel
 from rlt_worker.paged_context import PagedContext, PagedPlaneView, PrefillChunks
@@ -82,6 +84,7 @@ class RunnerConfig:
     graph_capture: str = "lazy"  # "startup": every graph bucket in the constructor | "lazy": at first use
     prefill_graphs: bool = False  # PREFILL chunk loop passes from CUDA graphs too (with cuda_graphs)
     max_batch_tokens: int = 0  # token rows of a plan's largest batch: the prefill graphs' largest bucket
+    exit_tests: tuple[ExitTest, ...] = ()  # the DecodeBatch exit tests whose graphs are captured with the passes'
 
 
 @dataclass(frozen=True)
@@ -161,10 +164,11 @@ class ModelRunner:
         if prefill and config.max_batch_tokens < 1:
             raise ValueError("prefill graphs need the batch token limit (RunnerConfig.max_batch_tokens)")
         self._graphs = LoopPassGraphs(self, config.max_slots, config.scratch_block, emulate,
-                                      prefill_tokens=config.max_batch_tokens if prefill else 0)
+                                      prefill_tokens=config.max_batch_tokens if prefill else 0,
+                                      exit_tests=config.exit_tests)
 
     def capture_pass_graphs(self) -> None:
-        """Capture every graph bucket now: prefill, decode pass, CODA (see LoopPassGraphs.capture_all)."""
+        """Capture every graph bucket now: prefill, decode pass, CODA, exit test (see LoopPassGraphs.capture_all)."""
         if self._graphs is None:
             raise ValueError("capture_pass_graphs needs use_pass_graphs first")
         self._graphs.capture_all()
@@ -520,6 +524,11 @@ class ModelRunner:
             host_positions = np.concatenate([host_positions, riding.host.positions()])
             depths = np.concatenate([depths, np.full(riding.host.num_rows, riding.depth + 1)])
         self.pass_listener(row_slots, host_positions, depths)
+
+    def exit_step(self, exit_test: ExitTest) -> EagerExitStep:
+        """How a DecodeBatch's exit test runs after its passes: from graphs when the passes' are on and the
+        test is graphable (rlt_worker/exit_graphs.py), else eagerly."""
+        return make_exit_step(self, exit_test, None if self._graphs is None else self._graphs.exits)
 
     def finalize_rows(self, row_slots: np.ndarray, host_positions: np.ndarray, exit_depths: np.ndarray) -> None:
         """LAST_EXITED: copy each row's exit-plane K/V at its position into every deeper plane."""

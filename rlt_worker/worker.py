@@ -12,7 +12,7 @@ import os
 import torch
 
 from protocol import PROTOCOL_VERSION, config_hash
-from protocol.messages import ExecutionPlan, StepResult, WorkerHello, WorkerReady
+from protocol.messages import ExecutionPlan, ExitTest, StepResult, WorkerHello, WorkerReady
 from rlt_worker.kv_storage import KVStorage, bytes_per_block, num_planes
 from rlt_worker.model_runner import ModelRunner, RunnerConfig
 from rlt_worker.models.loader import load_model
@@ -102,6 +102,7 @@ class Worker:
             graph_capture=config.cuda_graph_capture,
             prefill_graphs=config.cuda_graph_prefill,
             max_batch_tokens=config.max_num_batched_tokens,
+            exit_tests=tuple(ExitTest(t) for t in config.exit_tests),
         )
         self.runner = ModelRunner(model, storage, runner_config)
         log.info("worker %d ready on %s: %d KV blocks, %d planes", self.index, device, num_blocks, planes)

@@ -11,6 +11,7 @@ exit-test columns, the exit states of the rows it reports). The outputs stay the
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -18,7 +19,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from factories import DEPTH, assert_matches_reference, make_llm, make_workload, run_workload
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from rlt_worker import cuda_graphs
 from rlt_worker.decode_loop import DecodeLoop
 from rlt_worker.model_runner import ModelRunner
 
@@ -144,7 +147,7 @@ def test_the_same_counts_on_cuda_with_captured_graphs(compiled: None, monkeypatc
     jobs = make_workload(random.Random("host-work-cuda"), 6, depth=depth, exit_mode="ouro", threshold=0.4,
                          sampling=("greedy", "top_p"), max_prompt_len=8, max_tokens=9, spread=1)
     with make_llm("toy-ouro", exit_mode="ouro", device="cuda", dtype="float32", attention_backend="triton",
-                  cuda_graphs=True, loops_per_plan=4 * depth, max_num_seqs=4) as llm:
+                  num_blocks=256, cuda_graphs=True, loops_per_plan=4 * depth, max_num_seqs=4) as llm:
         runner = llm.engine.executor._worker.runner
         with count_host_work(runner, monkeypatch) as work:
             run_workload(llm, jobs)
@@ -173,10 +176,97 @@ def test_planned_plans_queue_without_a_sync_on_cuda(compiled: None, monkeypatch:
 
     monkeypatch.setattr(DecodeLoop, "run", run_without_syncs)  # count_host_work wraps this one
     with make_llm("toy-ouro", exit_mode="trace", device="cuda", dtype="float32", attention_backend="triton",
-                  cuda_graphs=True, loops_per_plan=4 * depth, max_num_seqs=4) as llm:
+                  num_blocks=256, cuda_graphs=True, loops_per_plan=4 * depth, max_num_seqs=4) as llm:
         runner = llm.engine.executor._worker.runner
         with count_host_work(runner, monkeypatch) as work:
             run_workload(llm, jobs)
         stats = runner.graph_stats
     assert stats is not None and stats["replays"] == len(work.passes) > len(work.plans) and stats["eager_passes"] == 0
     assert not any(p.readbacks for p in work.passes + work.boundaries + work.plans)
+
+
+# ------------------------------------------------------------------------------- exit tests from graphs
+
+
+class PassOps(TorchDispatchMode):
+    """The torch ops each DecodeLoop pass dispatches outside graph replays (emulated replays run their
+    captured function eagerly: its ops are the graph's, not the host's), and its replays."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.passes: list[tuple[Counter[str], int]] = []  # per pass: ops outside replays, replays
+        self._counting = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if self._counting:
+            self.passes[-1][0][func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    def pass_wrapper(self, method: Callable) -> Callable:
+        def wrapper(loop: DecodeLoop, *args: object) -> object:
+            self.passes.append((Counter(), 0))
+            self._counting = True
+            try:
+                return method(loop, *args)
+            finally:
+                self._counting = False
+        return wrapper
+
+    def replay_wrapper(self, fn: Callable[[], None]) -> Callable[[], None]:
+        def replay() -> None:
+            counting, self._counting = self._counting, False
+            if counting:
+                ops, replays = self.passes[-1]
+                self.passes[-1] = (ops, replays + 1)
+            try:
+                fn()
+            finally:
+                self._counting = counting
+        return replay
+
+
+# What a pass does outside its replays besides the test: the upload into the static inputs (from_numpy's
+# lift_fresh and detach, copy_), views of them and of the exit flags (slice, unbind, alias), the readback
+# (to, and .numpy()'s resolve_conj / resolve_neg).
+DATA_MOVEMENT = {"lift_fresh", "detach", "copy_", "slice", "unbind", "alias", "to", "resolve_conj", "resolve_neg"}
+
+
+def ouro_pass_ops(exit_graphs: bool, monkeypatch: pytest.MonkeyPatch) -> PassOps:
+    """toy-ouro's 4·D-pass plans under emulated pass and exit-test graphs (`exit_graphs` False: their
+    capture failed, so the test runs eagerly), each pass's ops counted; the reference's outputs."""
+    depth = DEPTH["toy-ouro"]
+    jobs = make_workload(random.Random("exit-graph-ops"), 5, depth=depth, exit_mode="ouro", threshold=0.4,
+                         sampling=("greedy", "top_p"), max_prompt_len=8, max_tokens=8, vary_limits=True, spread=1)
+    counter = PassOps()
+    init = cuda_graphs._EagerReplay.__init__
+    monkeypatch.setattr(cuda_graphs._EagerReplay, "__init__",
+                        lambda replay, fn: init(replay, counter.replay_wrapper(fn)))
+    monkeypatch.setattr(DecodeLoop, "_pass", counter.pass_wrapper(DecodeLoop._pass))
+    with make_llm("toy-ouro", exit_mode="ouro", loops_per_plan=4 * depth, max_num_seqs=4) as llm:
+        runner = llm.engine.executor._worker.runner
+        runner.use_pass_graphs(emulate=True)
+        if not exit_graphs:
+            runner._graphs.exits.error = "off for the test"
+        with counter:
+            run = run_workload(llm, jobs)
+        assert_matches_reference(run, "toy-ouro", kv_layout="last_exited", exit_mode="ouro")
+        stats = runner.graph_stats
+    assert stats["eager_passes"] == 0 and stats["replays"] == len(counter.passes) > 0
+    assert stats["exit_replays"] == (len(counter.passes) if exit_graphs else 0)
+    return counter
+
+
+def test_an_ouro_pass_under_graphs_runs_its_exit_test_in_a_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Emulated graphs, Ouro's test graphed: every pass is two replays (the pass, its exit test) and
+    dispatches no compute op outside them (only its upload and views). With the test's capture
+    failed, the same passes launch the eager test (gathers, the gate, the hazard math, index_put)."""
+    graphed = ouro_pass_ops(True, monkeypatch)
+    assert all(replays == 2 for _, replays in graphed.passes)
+    outside = set().union(*(ops for ops, _ in graphed.passes))
+    print(f"graphed: ops outside replays {sorted(outside)}")
+    assert outside <= DATA_MOVEMENT, outside - DATA_MOVEMENT
+    eager = ouro_pass_ops(False, monkeypatch)
+    print(f"eager test: ops outside replays {sorted(set().union(*(ops for ops, _ in eager.passes)))}")
+    assert all(replays == 1 for _, replays in eager.passes)
+    assert all({"index", "index_put_", "sigmoid"} <= set(ops) for ops, _ in eager.passes)
+    assert min(sum(ops.values()) for ops, _ in eager.passes) > max(sum(ops.values()) for ops, _ in graphed.passes)

@@ -220,7 +220,9 @@ def test_abort_mid_plan_drops_its_rows_and_the_id_is_reused() -> None:
         driver = Driver(llm)
         driver.add(bystander)
         old = driver.add(target)
-        driver.step_until(lambda: bool(old.outputs) and any(r[0] == old.key for r in decode_rows(driver.plans[-1])))
+        # (the step that brings the first token submits no plan: wait for one in flight that names it)
+        driver.step_until(lambda: bool(old.outputs) and llm.engine.has_work_in_flight
+                          and any(r[0] == old.key for r in decode_rows(driver.plans[-1])))
         stale_before = llm.engine.scheduler.stats.num_stale_rows
         delivered = list(old.outputs[-1].token_ids)
         driver.abort("target")
@@ -263,10 +265,11 @@ def test_preemption_with_plans_of_several_passes(mode: str, preemption: str) -> 
     assert in_plan_refills(run.passes)
 
 
-@pytest.mark.parametrize("mode", ["ouro", "latent_diff"])
+@pytest.mark.parametrize("mode", ["ouro", "ouro_delayed", "latent_diff"])
 def test_emulated_pass_graphs_with_exits_in_the_worker(mode: str) -> None:
     """The decode loop's passes replay the (emulated) pass graphs, Ouro's exits sample through the
-    CODA graphs; the exit test runs on the state the graph left: the reference's outputs."""
+    CODA graphs; Ouro's tests replay their own graph after each pass (rlt_worker/exit_graphs.py),
+    latent_diff's runs eagerly on the state the graph left: the reference's outputs."""
     model = MODES[mode][0]
     with make_llm(model, exit_mode=mode, loops_per_plan=8, max_num_seqs=6) as llm:
         runner = llm.engine.executor._worker.runner
@@ -275,34 +278,66 @@ def test_emulated_pass_graphs_with_exits_in_the_worker(mode: str) -> None:
         assert_matches_reference(run, model, kv_layout="last_exited", exit_mode=mode)
         stats = runner.graph_stats
     assert stats["replays"] > 0 and stats["eager_passes"] == 0
-    assert (stats["coda_replays"] > 0) == (mode == "ouro")
+    gated = mode.startswith("ouro")
+    assert (stats["coda_replays"] > 0) == gated
+    assert stats["exit_replays"] == (stats["replays"] if gated else 0) and stats["exit_eager"] == 0
 
 
 # ------------------------------------------------------------------------------- plan length
 
 
-def test_plans_run_at_most_d_passes_while_a_prompt_is_pending() -> None:
-    """loops_per_plan 4·D, two slots for seven staggered requests (some wait to be placed): every plan
-    built while a request waits or carries a prompt chunk runs at most D passes (its first token, or
-    the waiting one's placement, comes with that plan's result), the others 4·D; the outputs are the
-    reference's."""
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_plans_run_at_most_d_passes_while_a_prompt_is_pending(in_flight: int) -> None:
+    """loops_per_plan 4·D, two slots for seven staggered requests (some wait to be placed), one or two
+    plans in flight: every plan built while a request waits, carries a prompt chunk, or has not had its
+    first token back runs at most D passes (that token, or the waiting one's placement, comes with
+    that plan's result or the one in flight), the others 4·D; the outputs are the reference's."""
     depth = DEPTH["toy-ouro"]
     jobs = make_workload(random.Random("pending-prompts"), 7, depth=depth, exit_mode="ouro", threshold=0.5,
                          sampling=tuple(SAMPLING), max_prompt_len=10, max_tokens=12, spread=1)
-    with make_llm("toy-ouro", exit_mode="ouro", loops_per_plan=4 * depth, max_num_seqs=2) as llm:
+    with make_llm("toy-ouro", exit_mode="ouro", loops_per_plan=4 * depth, max_num_seqs=2,
+                  max_plans_in_flight=in_flight) as llm:
+        scheduler = llm.engine.scheduler
         waiting: list[bool] = []  # per plan: whether a request was left waiting when it was built
-        llm.engine.add_plan_listener(lambda worker, plan: waiting.append(bool(llm.engine.scheduler.waiting)))
+        first_pending: list[bool] = []  # … whether a request on the worker had no output yet
+        llm.engine.add_plan_listener(lambda worker, plan: (
+            waiting.append(bool(scheduler.waiting)),
+            first_pending.append(any(not r.num_outputs for r in scheduler.running[worker]))))
         run = run_workload(llm, jobs)
         assert_matches_reference(run, "toy-ouro", kv_layout="last_exited", exit_mode="ouro")
     pending, passes = [], []
-    for plan, left_waiting in zip(run.plans, waiting, strict=True):
+    for plan, left_waiting, first in zip(run.plans, waiting, first_pending, strict=True):
         decode = [b.max_passes for b in plan.batches if isinstance(b, DecodeBatch)]
         if decode:
-            pending.append(left_waiting or any(isinstance(b, PrefillBatch) for b in plan.batches))
+            pending.append(left_waiting or first or any(isinstance(b, PrefillBatch) for b in plan.batches))
             passes.append(decode[0])
     assert passes == [depth if p else 4 * depth for p in pending]
     assert any(waiting) and any(pending) and not all(pending)
     assert max(Counter(p.step_id for p in run.passes).values()) > depth  # the others do run more than D
+
+
+def test_a_first_token_reaches_the_engine_after_d_passes_per_plan() -> None:
+    """One request, a 3-chunk prompt, two plans in flight, loops_per_plan 4·D: the plan with the
+    prompt's last chunk samples output 0 and the plan built before its result is read (in-process,
+    submitted, so run, before it) run D passes each, and the step that reads the token returns it
+    before submitting more plans: the worker has run at most 2·D passes when the first token is
+    delivered (without these, 4·D + 2 · 4·D more); later plans run 4·D; the outputs are the reference's."""
+    depth = DEPTH["toy-ouro"]
+    job = Job("first", tuple(range(40, 60)), SamplingParams(max_tokens=30, seed=5, exit_threshold=0.5,
+                                                            ignore_eos=True))
+    with make_llm("toy-ouro", exit_mode="ouro", loops_per_plan=4 * depth, max_plans_in_flight=2,
+                  prefill_chunk_size=8) as llm:
+        driver = Driver(llm)
+        life = driver.add(job)
+        driver.step_until(lambda: bool(life.outputs))
+        passes_to_first_token = len(driver.passes)
+        driver.finish()
+        driver.assert_resources_returned()
+        assert_matches_reference(driver, "toy-ouro", kv_layout="last_exited", exit_mode="ouro")
+    assert life.outputs[0].token_ids[:1] == life.final.token_ids[:1]
+    assert 0 < passes_to_first_token <= 2 * depth
+    decode = [b.max_passes for p in driver.plans for b in p.batches if isinstance(b, DecodeBatch)]
+    assert decode[:2] == [depth, depth] and 4 * depth in decode[2:]
 
 
 # ------------------------------------------------------------------------------- blocks ahead

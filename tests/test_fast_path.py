@@ -137,7 +137,8 @@ def test_pass_graph_buckets() -> None:
         block_tables = torch.zeros(9, 4, 32, dtype=torch.int32)
         storage = type("S", (), {"block_size": 16})()
         config = type("C", (), {"max_slots": 8})()
-        model = type("M", (), {"info": type("I", (), {"num_outer_kv_layers": 1})()})()  # Huginn-like: no CODA graphs
+        # Huginn-like: no CODA graphs, no exit gate
+        model = type("M", (), {"info": type("I", (), {"num_outer_kv_layers": 1, "has_exit_gate": False})()})()
 
     graphs = LoopPassGraphs(Runner(), dummy_slot=8, scratch_block=99, emulate=True)
     assert graphs.row_buckets == (1, 2, 4, 8)

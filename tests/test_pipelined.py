@@ -179,7 +179,8 @@ def test_prefix_caching_under_pipelining() -> None:
 
 def _generate_with_loss(in_flight: int, lose_at: int | None) -> tuple[dict, int]:
     """Six seeded requests on an in-process engine that restarts its worker; optionally lose it
-    before step `lose_at` (with plans in flight: their results never arrive)."""
+    before the first step from `lose_at` on that starts with plans in flight (their results never
+    arrive; a step that brings a first token leaves none)."""
     llm = make_llm("toy-ouro", exit_mode="ouro", loops_per_plan=3, restart_workers=True, max_num_seqs=4,
                    prefill_chunk_size=4, max_plans_in_flight=in_flight)
     rng = random.Random(1)
@@ -187,16 +188,17 @@ def _generate_with_loss(in_flight: int, lose_at: int | None) -> tuple[dict, int]
         params = SamplingParams(max_tokens=rng.randint(4, 12), temperature=1.0, seed=50 + i, ignore_eos=True,
                                 exit_threshold=0.5)
         llm.engine.add_request(f"r{i}", make_prompt(rng, rng.randint(2, 10)), params)
-    finals, step = {}, 0
+    finals, step, lost = {}, 0, False
     try:
         while llm.engine.has_unfinished_requests():
             step += 1
-            if step == lose_at:
-                assert llm.engine.has_work_in_flight
+            if lose_at is not None and step >= lose_at and not lost and llm.engine.has_work_in_flight:
+                lost = True
                 llm.engine._on_worker_lost(0, WorkerLost(0, "injected by the test"))
             for out in llm.engine.step():
                 if out.finished:
                     finals[out.request_id] = (out.token_ids, out.exit_depths, out.finish_reason)
+        assert lost == (lose_at is not None)
         return finals, llm.engine.scheduler.stats.num_replays
     finally:
         llm.close()
