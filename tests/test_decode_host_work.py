@@ -137,6 +137,18 @@ def test_planned_exits_read_nothing_back(mode: str, kv_layout: str, monkeypatch:
     assert stopped_mid_plan > 0  # a stop token's later outputs were sampled and dropped
 
 
+def run_on_cuda_graphs(exit_mode: str, jobs: list, monkeypatch: pytest.MonkeyPatch) -> tuple[object, dict | None]:
+    """The jobs on toy-ouro in float32 on CUDA (Triton, captured pass and CODA graphs, 4·D passes per
+    plan, a fixed-size KV pool: an auto-sized one finds the memory of the file's earlier engines in
+    use); the host work counted and the runner's graph counters."""
+    with make_llm("toy-ouro", exit_mode=exit_mode, device="cuda", dtype="float32", attention_backend="triton",
+                  num_blocks=256, cuda_graphs=True, loops_per_plan=4 * DEPTH["toy-ouro"], max_num_seqs=4) as llm:
+        runner = llm.engine.executor._worker.runner
+        with count_host_work(runner, monkeypatch) as work:
+            run_workload(llm, jobs)
+        return work, runner.graph_stats
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_same_counts_on_cuda_with_captured_graphs(compiled: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -146,12 +158,7 @@ def test_the_same_counts_on_cuda_with_captured_graphs(compiled: None, monkeypatc
     depth = DEPTH["toy-ouro"]
     jobs = make_workload(random.Random("host-work-cuda"), 6, depth=depth, exit_mode="ouro", threshold=0.4,
                          sampling=("greedy", "top_p"), max_prompt_len=8, max_tokens=9, spread=1)
-    with make_llm("toy-ouro", exit_mode="ouro", device="cuda", dtype="float32", attention_backend="triton",
-                  num_blocks=256, cuda_graphs=True, loops_per_plan=4 * depth, max_num_seqs=4) as llm:
-        runner = llm.engine.executor._worker.runner
-        with count_host_work(runner, monkeypatch) as work:
-            run_workload(llm, jobs)
-        stats = runner.graph_stats
+    work, stats = run_on_cuda_graphs("ouro", jobs, monkeypatch)
     assert stats is not None and stats["replays"] == len(work.passes) and stats["eager_passes"] == 0
     assert_host_work(work, most_boundary_uploads=3)
 
@@ -175,12 +182,7 @@ def test_planned_plans_queue_without_a_sync_on_cuda(compiled: None, monkeypatch:
             torch.cuda.set_sync_debug_mode("default")
 
     monkeypatch.setattr(DecodeLoop, "run", run_without_syncs)  # count_host_work wraps this one
-    with make_llm("toy-ouro", exit_mode="trace", device="cuda", dtype="float32", attention_backend="triton",
-                  num_blocks=256, cuda_graphs=True, loops_per_plan=4 * depth, max_num_seqs=4) as llm:
-        runner = llm.engine.executor._worker.runner
-        with count_host_work(runner, monkeypatch) as work:
-            run_workload(llm, jobs)
-        stats = runner.graph_stats
+    work, stats = run_on_cuda_graphs("trace", jobs, monkeypatch)
     assert stats is not None and stats["replays"] == len(work.passes) > len(work.plans) and stats["eager_passes"] == 0
     assert not any(p.readbacks for p in work.passes + work.boundaries + work.plans)
 
