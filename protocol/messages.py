@@ -27,7 +27,8 @@ from protocol.columns import F64, I32, I64, U64, Columnar
 #    stopped); RecurrentBatch rows are no longer reported (the engine planned them).
 # 7: WorkerConfig.cuda_graph_prefill and max_num_batched_tokens (PREFILL chunk passes from CUDA graphs).
 # 8: mixed batches: PrefillBatch.rides_loop_passes (the chunks' loops ride the plan's loop passes).
-PROTOCOL_VERSION = 8
+# 9: WorkerConfig.launch_pdl (the decode pass's Triton kernels with programmatic dependent launch).
+PROTOCOL_VERSION = 9
 
 
 class Stage(enum.IntEnum):
@@ -92,6 +93,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     cuda_graph_capture: str = "lazy"  # "startup": every graph bucket before WorkerReady | "lazy": at first use
     cuda_graph_prefill: bool = False  # PREFILL chunk loop passes from CUDA graphs too (needs cuda_graphs)
     max_num_batched_tokens: int = 0  # token rows of a plan's largest batch (the prefill graphs' top bucket)
+    launch_pdl: bool = False  # the decode pass's Triton kernels with programmatic dependent launch (sm_90+)
 
 
 class WorkerHello(msgspec.Struct, tag=True, array_like=True, kw_only=True):

@@ -52,6 +52,7 @@ from protocol.messages import (
 from rlt_worker.attention import get_backend
 from rlt_worker.cuda_graphs import LoopPassGraphs, StagedPass
 from rlt_worker.decode_loop import DecodeCursors, DecodeLoop
+from rlt_worker.kernels.launch import PLAIN, KernelLaunch
 from rlt_worker.kv_storage import LAST_EXITED, KVStorage
 from rlt_worker.models.base import LoopedModel
 from rlt_worker.paged_context import PagedContext, PagedPlaneView, PrefillChunks
@@ -82,6 +83,7 @@ class RunnerConfig:
     graph_capture: str = "lazy"  # "startup": every graph bucket in the constructor | "lazy": at first use
     prefill_graphs: bool = False  # PREFILL chunk loop passes from CUDA graphs too (with cuda_graphs)
     max_batch_tokens: int = 0  # token rows of a plan's largest batch: the prefill graphs' largest bucket
+    kernel_launch: KernelLaunch = PLAIN  # how the attention backend's Triton kernels launch (PDL or not)
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ class ModelRunner:
         self.storage = storage
         self.config = config
         self.device = storage.pool.device
-        self._backend = get_backend(config.attention_backend)
+        self._backend = get_backend(config.attention_backend, config.kernel_launch)
         dtype = storage.pool.dtype
         slots, hidden = config.max_slots, info.hidden_size
         max_blocks = math.ceil(info.max_model_len / storage.block_size)
