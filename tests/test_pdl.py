@@ -10,7 +10,9 @@ all. The interpreter has no grid dependency control, so it only ever runs the ke
 
 GPU (marked gpu): one fused loop pass of synthetic-ouro-1.4b (bf16, context 1,024) captured in a
 CUDA graph with PDL on and with it off, rows 1 (split attention + merge) and 32 (no split): every
-replay's output bit for bit the same.
+replay's output bit for bit the same. And the engine with `launch_pdl` (toy-ouro, bf16, start-up
+graphs, prefill graphs): its worker's fused model and attention backend launch with PDL, and greedy
+tokens equal the plain engine's.
 """
 
 from __future__ import annotations
@@ -195,3 +197,26 @@ def test_gpu_pdl_pass_equals_plain_bit_for_bit_in_a_graph(synthetic_ouro, rows: 
         pdl_graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(pdl_out, want), f"replay {replay}: max |Δ| {(pdl_out - want).abs().max().item()}"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_engine_with_launch_pdl_gives_the_plain_engines_tokens() -> None:
+    import random
+
+    from protocol.messages import SamplingParams
+    from rlt_engine import LLM
+
+    rng = random.Random("pdl")
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(4, 40))] for _ in range(6)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for pdl in (False, True):
+        with LLM("toy-ouro", workers=0, device="cuda", dtype="bfloat16", exit_mode="fixed", launch_pdl=pdl,
+                 max_num_seqs=4, num_blocks=256) as llm:
+            runner = llm.engine.executor._worker.runner
+            assert runner.model.launch.pdl is pdl and (runner._backend is tb) is not pdl
+            tokens[pdl] = [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+            stats = runner.graph_stats
+        assert stats["replays"] > 0, stats  # the passes ran from graphs captured with PDL launches
+    assert tokens[True] == tokens[False]
