@@ -30,7 +30,8 @@ from protocol.columns import F64, I32, I64, U64, Columnar
 # 9: planned exits in the decode loop: ExitTest.PLANNED, DecodeBatch.num_planned / planned_depths (the
 #    engine's exit depths of a row's next positions; the worker refills fixed/trace rows in the plan);
 #    WorkerConfig.exit_tests (the DecodeBatch exit tests whose CUDA graphs the worker captures at start-up).
-PROTOCOL_VERSION = 9
+# 10: WorkerConfig.launch_pdl (the decode pass's Triton kernels with programmatic dependent launch).
+PROTOCOL_VERSION = 10
 
 
 class Stage(enum.IntEnum):
@@ -100,6 +101,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # ExitTest values the engine's DecodeBatches may name: their graphs are captured with the passes'
     # (under the model's default exit mode: OURO, which a model without an exit gate never runs)
     exit_tests: tuple[int, ...] = ()
+    launch_pdl: bool = False  # the decode pass's Triton kernels with programmatic dependent launch (sm_90+)
 
 
 class WorkerHello(msgspec.Struct, tag=True, array_like=True, kw_only=True):

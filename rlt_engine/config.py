@@ -73,6 +73,10 @@ class EngineConfig:
     fused_layers: bool = _opt(True, "Ouro's decoder layers through fused Triton kernels (residual add + "
                                     "RMSNorm, RoPE, SwiGLU) over packed q|k|v and gate|up weights (CUDA with "
                                     "Triton attention only; --no-fused-layers runs the torch modules, for A/B)")
+    launch_pdl: bool = _opt(False, "launch the decode pass's Triton kernels (add + RMSNorm, the rotating K/V "
+                                   "write, attention, split merge, SwiGLU) with programmatic dependent launch, "
+                                   "so each may start while its predecessor drains (CUDA sm_90+ with Triton "
+                                   "attention; elsewhere plain launches)")
     cuda_graph_capture: str = _opt("startup", "when decode-pass graphs are captured: startup (every row × width "
                                               "bucket before the worker reports ready, so no capture lands in a "
                                               "request) or lazy (a bucket at its first use)")
@@ -142,6 +146,7 @@ class EngineConfig:
         # Graph capture needs a sync-free attention path: the Triton backend on CUDA.
         graphs = self.cuda_graphs and on_cuda and backend == "triton"
         fused = self.fused_layers and on_cuda and backend == "triton"  # the kernels are Triton's, on CUDA
+        pdl = self.launch_pdl and on_cuda and backend == "triton"
         loops_per_plan = self.loops_per_plan or (0 if on_cuda else 1)  # 0 stays: 4·D, known once workers are up
         # The CPU computes a plan as it is submitted: nothing would overlap, and the float64 suites
         # keep their one-plan-at-a-time reading of a step.
@@ -149,7 +154,7 @@ class EngineConfig:
         return dataclasses.replace(
             self, model=resolve_model(self.model), device=device, dtype=dtype, attention_backend=backend,
             cuda_graphs=graphs, cuda_graph_prefill=self.cuda_graph_prefill and graphs, fused_layers=fused,
-            loops_per_plan=loops_per_plan, max_plans_in_flight=in_flight,
+            launch_pdl=pdl, loops_per_plan=loops_per_plan, max_plans_in_flight=in_flight,
         )
 
     def worker_config(self, device: str) -> WorkerConfig:
@@ -173,6 +178,7 @@ class EngineConfig:
             cuda_graph_prefill=self.cuda_graph_prefill,
             max_num_batched_tokens=self.max_num_batched_tokens,
             exit_tests=worker_exit_tests(self.exit_mode),
+            launch_pdl=self.launch_pdl,
         )
 
 

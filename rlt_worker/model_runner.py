@@ -54,6 +54,7 @@ from rlt_worker.attention import get_backend
 from rlt_worker.cuda_graphs import LoopPassGraphs, StagedPass
 from rlt_worker.decode_loop import DecodeCursors, DecodeLoop
 from rlt_worker.exit_graphs import EagerExitStep, make_exit_step
+from rlt_worker.kernels.launch import PLAIN, KernelLaunch
 from rlt_worker.kv_storage import LAST_EXITED, KVStorage
 from rlt_worker.models.base import LoopedModel
 from rlt_worker.paged_context import PagedContext, PagedPlaneView, PrefillChunks
@@ -85,6 +86,7 @@ class RunnerConfig:
     prefill_graphs: bool = False  # PREFILL chunk loop passes from CUDA graphs too (with cuda_graphs)
     max_batch_tokens: int = 0  # token rows of a plan's largest batch: the prefill graphs' largest bucket
     exit_tests: tuple[ExitTest, ...] = ()  # the DecodeBatch exit tests whose graphs are captured with the passes'
+    kernel_launch: KernelLaunch = PLAIN  # how the attention backend's Triton kernels launch (PDL or not)
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ class ModelRunner:
         self.storage = storage
         self.config = config
         self.device = storage.pool.device
-        self._backend = get_backend(config.attention_backend)
+        self._backend = get_backend(config.attention_backend, config.kernel_launch)
         dtype = storage.pool.dtype
         slots, hidden = config.max_slots, info.hidden_size
         max_blocks = math.ceil(info.max_model_len / storage.block_size)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import torch
 
@@ -57,7 +57,7 @@ class PagedContext:
     def __init__(
         self,
         storage: KVStorage,
-        backend: ModuleType,
+        backend: ModuleType | SimpleNamespace,  # attention.get_backend's
         positions: torch.Tensor,
         loop_view: PagedPlaneView | None,
         outer_view: PagedPlaneView | None,

@@ -13,6 +13,7 @@ import torch
 
 from protocol import PROTOCOL_VERSION, config_hash
 from protocol.messages import ExecutionPlan, ExitTest, StepResult, WorkerHello, WorkerReady
+from rlt_worker.kernels.launch import KernelLaunch
 from rlt_worker.kv_storage import KVStorage, bytes_per_block, num_planes
 from rlt_worker.model_runner import ModelRunner, RunnerConfig
 from rlt_worker.models.loader import load_model
@@ -80,10 +81,11 @@ class Worker:
         device = torch.device(config.device)
         dtype = DTYPES[config.dtype]
         model = load_model(config.model, dtype=dtype, device=device)
+        launch = KernelLaunch.for_device(config.launch_pdl, device)  # one launch for every Triton kernel
         if config.fused_layers:  # the CUDA fast path: set only for CUDA with Triton attention (EngineConfig)
             from rlt_worker.models.ouro_fused import with_fused_layers  # imports Triton: only when used
 
-            model = with_fused_layers(model)
+            model = with_fused_layers(model, launch)
         info = model.info
         max_depth = config.max_loops or info.default_depth  # D
         planes = num_planes(info, config.kv_layout, max_depth)
@@ -103,6 +105,7 @@ class Worker:
             prefill_graphs=config.cuda_graph_prefill,
             max_batch_tokens=config.max_num_batched_tokens,
             exit_tests=tuple(ExitTest(t) for t in config.exit_tests),
+            kernel_launch=launch,
         )
         self.runner = ModelRunner(model, storage, runner_config)
         log.info("worker %d ready on %s: %d KV blocks, %d planes", self.index, device, num_blocks, planes)

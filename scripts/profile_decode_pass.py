@@ -16,6 +16,11 @@ Defaults: synthetic-ouro-1.4b, rows 1 and 32, every row at position context−1 
 - parity: one pass of both paths from the same state over the same KV pool, per dtype
   (bfloat16 is timed; float32 is compared only): max |Δ| / max |torch|, worst row cosine.
 
+`--pdl on` times the fused path with programmatic dependent launch (`fused-pdl`: its Triton kernels
+launched with launch_pdl, rlt_worker/kernels/launch.py) instead of plain launches; `--pdl both` times
+both in the same run and compares them (bit-equal expected: PDL changes timing, not arithmetic).
+The PDL path packs its own copy of the q|k|v and gate|up weights (a second FusedOuroModel).
+
 Both paths share one KV pool of random K/V (only values read by attention; both write their own
 K/V of the pass at the same slots). The bytes a pass must read (loop weights + the context's K/V)
 are printed with the time they take at `--hbm-tbps`.
@@ -46,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replays", type=int, default=200)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for the bytes floor (H200: 4.8 TB/s)")
+    p.add_argument("--pdl", choices=("off", "on", "both"), default="off",
+                   help="the fused path with plain launches, with programmatic dependent launch, or both")
     p.add_argument("--top", type=int, default=0, help="print the N kernel names with the most GPU time per path")
     p.add_argument("--json", default=None, help="write the results here")
     return p.parse_args(argv)
@@ -61,6 +68,7 @@ import torch  # noqa: E402
 
 from protocol.columns import I32, I64, pack  # noqa: E402
 from protocol.messages import Admit, BlockAppends, ExecutionPlan  # noqa: E402
+from rlt_worker.kernels.launch import PLAIN, KernelLaunch  # noqa: E402
 from rlt_worker.kv_storage import KVStorage, num_planes  # noqa: E402
 from rlt_worker.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from rlt_worker.models.loader import load_model  # noqa: E402
@@ -69,7 +77,7 @@ from rlt_worker.worker import DTYPES  # noqa: E402
 
 
 class Setup:
-    """One dtype: the reference model, its fused wrapper, one KV pool, and a runner per path."""
+    """One dtype: the reference model, its fused wrappers, one KV pool, and a runner per path."""
 
     def __init__(self, args: argparse.Namespace, dtype: torch.dtype, max_rows: int) -> None:
         device = torch.device(args.device)
@@ -83,19 +91,24 @@ class Setup:
         self.storage = KVStorage(info, num_blocks + 1, args.block_size, dtype, device)
         gen = torch.Generator(device=device).manual_seed(0)
         self.storage.pool.normal_(generator=gen)
-        self.fused = FusedOuroModel(self.reference)  # packs the reference's weights in place (views)
+        self.pdl = KernelLaunch.for_device(True, device)  # plain where the device has no PDL
+        fused = {"off": [("fused", PLAIN)], "on": [("fused-pdl", self.pdl)],
+                 "both": [("fused", PLAIN), ("fused-pdl", self.pdl)]}[args.pdl]
+        # Each FusedOuroModel packs the reference's weights in place (views): a second one packs a copy.
+        paths = [("torch", self.reference, PLAIN)] + [(name, FusedOuroModel(self.reference, launch), launch)
+                                                      for name, launch in fused]
         planes = num_planes(info, "last_exited", self.depth)
-        self.runners = {name: self._runner(model, planes, max_rows, num_blocks)
-                        for name, model in (("torch", self.reference), ("fused", self.fused))}
+        self.runners = {name: self._runner(model, launch, planes, max_rows, num_blocks)
+                        for name, model, launch in paths}
         state = torch.randn(max_rows, info.hidden_size, generator=gen, device=device, dtype=torch.float32)
         with torch.inference_mode():
             self.state0 = self.reference.model.norm(state.to(dtype))  # a loop's input is a normed state
 
-    def _runner(self, model, planes: int, max_rows: int, num_blocks: int) -> ModelRunner:
+    def _runner(self, model, launch: KernelLaunch, planes: int, max_rows: int, num_blocks: int) -> ModelRunner:
         cuda = self.device.type == "cuda"
         config = RunnerConfig(kv_layout="last_exited", max_depth=self.depth, num_planes=planes, max_slots=max_rows,
                               attention_backend="triton", state_init="random", scratch_block=num_blocks,
-                              cuda_graphs=cuda, graph_capture="lazy")
+                              cuda_graphs=cuda, graph_capture="lazy", kernel_launch=launch)
         runner = ModelRunner(model, self.storage, config)
         if not cuda:
             runner.use_pass_graphs(emulate=True)
@@ -178,7 +191,7 @@ def pass_bytes(setup: Setup, rows: int, context: int) -> int:
 def profile_coda(setup: Setup, rows: int, replays: int, cuda: bool) -> list[dict]:
     """CODA (LM head + sampling) of `rows` rows, greedy and sampling: graph replay GPU time and the
     same function's eager wall time."""
-    coda = setup.runners["fused"]._graphs.coda
+    coda = setup.runners[_fused_path(setup)]._graphs.coda
     out = []
     for greedy in (True, False):
         slots = np.arange(rows)
@@ -200,6 +213,11 @@ def profile_coda(setup: Setup, rows: int, replays: int, cuda: bool) -> list[dict
     return out
 
 
+def _fused_path(setup: Setup) -> str:
+    """The fused path the torch one is compared with: plain launches when it runs."""
+    return "fused" if "fused" in setup.runners else "fused-pdl"
+
+
 def parity(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
     a, b = a.double(), b.double()
     cos = torch.nn.functional.cosine_similarity(a, b, dim=-1).min()
@@ -212,7 +230,8 @@ def main(args: argparse.Namespace) -> dict:
     dtype_names = args.dtypes.split(",")
     cuda = args.device.startswith("cuda")
     report: dict = {"model": args.model, "device": torch.cuda.get_device_name() if cuda else "cpu",
-                    "torch": torch.__version__, "context": args.context, "passes": [], "parity": [], "coda": []}
+                    "torch": torch.__version__, "context": args.context, "pdl": args.pdl, "passes": [], "parity": [],
+                    "coda": []}
     try:
         import triton
 
@@ -221,10 +240,13 @@ def main(args: argparse.Namespace) -> dict:
         pass
     for d, dtype_name in enumerate(dtype_names):
         setup = Setup(args, DTYPES[dtype_name], max(rows_list))
+        report["pdl_launches"] = setup.pdl.pdl  # False: this device has no PDL, fused-pdl launches plainly
         layers = setup.info.num_loop_kv_layers
+        comparisons = [("torch", _fused_path(setup))] + ([("fused", "fused-pdl")] if args.pdl == "both" else [])
         for rows in rows_list:
             outs = {name: setup.run_pass(name, rows, args.context) for name in setup.runners}
-            report["parity"].append({"dtype": dtype_name, "rows": rows, **parity(outs["torch"], outs["fused"])})
+            report["parity"].extend({"pair": f"{b} vs {a}", "dtype": dtype_name, "rows": rows,
+                                     **parity(outs[a], outs[b])} for a, b in comparisons)
             if d:  # only the first dtype is timed
                 continue
             floor_ms = pass_bytes(setup, rows, args.context) / (args.hbm_tbps * 1e12) * 1e3
@@ -253,12 +275,15 @@ def main(args: argparse.Namespace) -> dict:
 def print_report(report: dict, hbm_tbps: float) -> None:
     print(f"{report['model']} on {report['device']} (torch {report['torch']}, triton {report.get('triton')}), "
           f"context {report['context']}, one loop pass per replay")
-    print(f"{'path':6} {'dtype':9} {'rows':>4} {'bucket':>7} {'kernels':>8} {'/layer':>7} {'GPU ms p50':>10} "
+    if report["pdl"] != "off":
+        state = "on" if report["pdl_launches"] else "unavailable here: plain launches"
+        print(f"fused-pdl: programmatic dependent launch {state}")
+    print(f"{'path':9} {'dtype':9} {'rows':>4} {'bucket':>7} {'kernels':>8} {'/layer':>7} {'GPU ms p50':>10} "
           f"{'p10':>7} {'p90':>7} {'bytes floor ms':>15}")
     for p in report["passes"]:
         kernels = "-" if p["kernels"] is None else str(p["kernels"])
         per_layer = "-" if p["kernels_per_layer"] is None else f"{p['kernels_per_layer']:.1f}"
-        print(f"{p['path']:6} {p['dtype']:9} {p['rows']:>4} {p['bucket']:>7} {kernels:>8} {per_layer:>7} "
+        print(f"{p['path']:9} {p['dtype']:9} {p['rows']:>4} {p['bucket']:>7} {kernels:>8} {per_layer:>7} "
               f"{p['gpu_ms_median']:>10.3f} {p['gpu_ms_p10']:>7.3f} {p['gpu_ms_p90']:>7.3f} "
               f"{p['bytes_floor_ms']:>15.3f}")
         if p.get("kernel_us_sum") is not None and p["kernels"]:
@@ -270,9 +295,9 @@ def print_report(report: dict, hbm_tbps: float) -> None:
         kernels = "-" if c["kernels"] is None else c["kernels"]
         print(f"CODA {c['kind']:8} rows {c['rows']:>3}: {kernels} kernels, graph {c['graph_gpu_ms_median']:.3f} ms "
               f"GPU, eager {c['eager_wall_ms_median']:.3f} ms wall")
-    print("parity, fused vs torch, one pass from the same state:")
+    print("parity, one pass from the same state (graph replays); A vs B: max|Δ| relative to max|B|:")
     for q in report["parity"]:
-        print(f"  {q['dtype']:9} rows {q['rows']:>3}: max|Δ| {q['max_abs_diff']:.3e}, max|Δ|/max|torch| "
+        print(f"  {q['pair']:18} {q['dtype']:9} rows {q['rows']:>3}: max|Δ| {q['max_abs_diff']:.3e}, max|Δ|/max|B| "
               f"{q['rel_diff']:.3e}, worst row cosine {q['worst_row_cosine']:.7f}, "
               f"bit-equal {100 * q['bit_equal_fraction']:.1f}%")
 

@@ -35,15 +35,18 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from rlt_worker.kernels.launch import PLAIN, KernelLaunch
+from rlt_worker.kernels.launch import interpreting as _interpreting
+
 try:  # Triton is a dependency, but keep the import from failing where no wheel exists.
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - exercised only without Triton
     triton = None
     tl = None
@@ -66,9 +69,14 @@ def _attn_kernel(
     split_tokens,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_F64: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_F64: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One (row, kv head, split): online-softmax attention of the head group over its token span."""
+    """One (row, kv head, split): online-softmax attention of the head group over its token span.
+
+    PDL (kernels/launch.py): only the index math runs before the wait. q is the predecessor's (the
+    rotating K/V write's) output, and so is the K/V at the rows' own positions; the block tables,
+    context lengths and older K/V come from earlier kernels, but are read after it too.
+    """
     # Program ids are int32 and Triton passes a stride below 2^31 as int32, so a product of the
     # two wraps silently: every index that scales a stride is widened first (here and below).
     row = tl.program_id(0).to(tl.int64)
@@ -83,6 +91,9 @@ def _attn_kernel(
     heads = kv_head * GROUP + g
 
     q_ptrs = q_ptr + row * stride_qn + heads[:, None] * stride_qh + d[None, :] * stride_qd
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     # Padded heads/dims load as 0: their scores are finite and never stored.
     q = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     if not USE_DOT:
@@ -156,15 +167,19 @@ def _merge_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr,
     stride_on, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
-    ACC_F64: tl.constexpr,
+    ACC_F64: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One (row, q head): merge the splits' partial softmax states into the output."""
+    """One (row, q head): merge the splits' partial softmax states into the output (PDL: every
+    input is the attention kernel's, so only the index math runs before the wait)."""
     row = tl.program_id(0).to(tl.int64)  # int64: see _attn_kernel
     head = tl.program_id(1).to(tl.int64)
     sp = tl.arange(0, S_PAD)
     d = tl.arange(0, D_PAD)
     sp_ok = sp < NUM_SPLITS
     base = (row * tl.num_programs(1) + head) * NUM_SPLITS
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     m = tl.load(m_ptr + base + sp, mask=sp_ok, other=float("-inf"))
     l = tl.load(l_ptr + base + sp, mask=sp_ok, other=0.0)
     acc = tl.load(acc_ptr + (base + sp)[:, None] * D_PAD + d[None, :], mask=sp_ok[:, None], other=0.0)
@@ -234,11 +249,6 @@ def _finalize_kv_kernel(
         tl.store(base + dst_block * stride_pb + tile, x, mask=ok)
 
 
-def _interpreting() -> bool:
-    """Whether Triton would build interpreter kernels now (TRITON_INTERPRET, read as Triton reads it)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes", "y")
-
-
 @functools.cache
 def _jit(fn: Callable[..., Any], interpret: bool) -> Any:
     """fn decorated by triton.jit, once per mode: Triton fixes interpreter vs compiled at decoration."""
@@ -290,12 +300,14 @@ def paged_attention(
     *,
     num_splits: int | None = None,
     tile: int | None = None,
+    launch: KernelLaunch = PLAIN,
 ) -> torch.Tensor:
     """Attention of q [N, Hq, Dh] over each row's first context_lens[i] cached positions (torch_ref's contract).
 
     k_cache, v_cache: [num_blocks, block_size, Hkv, Dh], any strides (views of a bigger pool are read
     in place); block_tables: int32 [N, max_blocks], any strides; context_lens: int32 [N] ≥ 1 and
-    ≤ max_blocks·block_size. num_splits / tile override the heuristics (tests, tuning).
+    ≤ max_blocks·block_size. num_splits / tile override the heuristics (tests, tuning). launch: how
+    the attention kernel and the split merge are launched (PDL or not).
     """
     num_rows, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, kv_dim = k_cache.shape
@@ -339,8 +351,6 @@ def paged_attention(
         m = l = acc = out  # unused by the single-split kernel
     # fp64 reads its scale (natural-log domain) from a tensor; a fill kernel, so graph capture still works.
     scale_t = torch.full((1,), float(scale), dtype=torch.float64, device=q.device) if f64 else out
-    compiled = not _interpreting()
-    launch_opts: dict[str, int] = {"num_warps": 4, "num_stages": 3} if compiled else {}
 
     _kernel(_attn_kernel)[(num_rows, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, m, l, acc,
@@ -350,12 +360,13 @@ def paged_attention(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, TILE=tile, NUM_SPLITS=splits,
         USE_DOT=use_dot, DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, ACC_F64=f64,
-        **launch_opts,
+        **launch.kwargs(num_warps=4, num_stages=3),
     )
     if splits > 1:
         _kernel(_merge_kernel)[(num_rows, num_heads)](
             m, l, acc, out, *out.stride(),
             HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=splits, S_PAD=triton.next_power_of_2(splits), ACC_F64=f64,
+            **launch.kwargs(),
         )
     return out
 

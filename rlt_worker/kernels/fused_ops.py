@@ -23,6 +23,10 @@ division, and no FMA contraction (`enable_fp_fusion=False`), so they round as th
 The one difference is the mean of squares, a tree sum in another order than torch's, so fp32
 results can differ in the last bit (and bf16 ones, rarely, by one bf16 ulp).
 
+PDL (`launch=`, kernels/launch.py): each kernel waits for its predecessor before its first load of
+activations, positions or slots and before its first store; before the wait add_rmsnorm loads its
+norm weights, RoPE and SwiGLU only do index math.
+
 Addresses: row index × row stride is formed in int64 (program ids are cast before multiplying).
 Under TRITON_INTERPRET=1 (CPU tests) the libdevice calls, which the interpreter lacks, are replaced
 by tl.math.rsqrt and tl.exp (numpy); the interpreter also truncates fp32→bf16 casts, so bf16 is
@@ -34,11 +38,13 @@ from __future__ import annotations
 import torch
 
 from rlt_worker.attention.triton_backend import _check_device, _interpreting, _kernel, tl, triton
+from rlt_worker.kernels.launch import PLAIN, KernelLaunch
 from rlt_worker.models.base import Rotary
 from rlt_worker.models.layers import split_half_cos_sin
 
 try:
     from triton.language.extra import libdevice
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - exercised only without Triton
     libdevice = None
 
@@ -52,6 +58,7 @@ def _add_rmsnorm_kernel(
     stride_x, stride_h, stride_xo, stride_y,
     n_cols, inv_n, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, F64: tl.constexpr, LIBDEVICE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One row: x' = x + w_a·norm(h) (stored), y = w_b·norm(x') (stored)."""
     row = tl.program_id(0).to(tl.int64)
@@ -59,6 +66,13 @@ def _add_rmsnorm_kernel(
     ok = cols < n_cols
     dtype = y_ptr.dtype.element_ty
     cdt = tl.float64 if F64 else tl.float32
+    # The weights are the model's, which no kernel writes: loaded before the PDL wait.
+    wb = tl.load(wb_ptr + cols, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        wa = tl.load(wa_ptr + cols, mask=ok, other=0.0)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     if F64:
         eps = tl.load(eps_ptr)  # a Python float argument is fp32: the exact fp64 eps comes from memory
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
@@ -70,7 +84,6 @@ def _add_rmsnorm_kernel(
             r = libdevice.rsqrt(tl.sum(h * h, axis=0) * inv_n + eps)
         else:
             r = tl.math.rsqrt(tl.sum(h * h, axis=0) * inv_n + eps)
-        wa = tl.load(wa_ptr + cols, mask=ok, other=0.0)
         a = (wa.to(cdt) * (h * r).to(dtype).to(cdt)).to(dtype)
         x = (x.to(cdt) + a.to(cdt)).to(dtype)
         tl.store(x_out_ptr + row * stride_xo + cols, x, mask=ok)
@@ -81,7 +94,6 @@ def _add_rmsnorm_kernel(
         r = libdevice.rsqrt(tl.sum(xc * xc, axis=0) * inv_n + eps)
     else:
         r = tl.math.rsqrt(tl.sum(xc * xc, axis=0) * inv_n + eps)
-    wb = tl.load(wb_ptr + cols, mask=ok, other=0.0)
     y = (wb.to(cdt) * (xc * r).to(dtype).to(cdt)).to(dtype)
     tl.store(y_ptr + row * stride_y + cols, y, mask=ok)
 
@@ -93,7 +105,7 @@ def _rope_qk_kernel(
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     NUM_HEADS: tl.constexpr, NUM_OUT: tl.constexpr, HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, KV_HEADS: tl.constexpr, KV_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TO_CACHE: tl.constexpr, F64: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TO_CACHE: tl.constexpr, F64: tl.constexpr, PDL: tl.constexpr,
 ):
     """One row: its first NUM_HEADS heads (q then k) rotated; heads < NUM_OUT into out [.., 2·HALF].
 
@@ -101,13 +113,16 @@ def _rope_qk_kernel(
     the paged caches at slot slot_mapping[row] (block = slot // BLOCK_SIZE, offset = slot % it).
     """
     row = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + row).to(tl.int64)
     heads = tl.arange(0, HEADS_PAD)
     i = tl.arange(0, HALF_PAD)
     i_ok = i < HALF
     ok = (heads < NUM_HEADS)[:, None] & i_ok[None, :]
     dtype = out_ptr.dtype.element_ty
     cdt = tl.float64 if F64 else tl.float32
+    if PDL:
+        gdc_wait()  # qkv is the predecessor's; positions and slots are read after the wait too
+        gdc_launch_dependents()
+    pos = tl.load(pos_ptr + row).to(tl.int64)
     c = tl.load(cos_ptr + pos * stride_cos + i, mask=i_ok, other=0.0).to(cdt)[None, :]
     s = tl.load(sin_ptr + pos * stride_cos + i, mask=i_ok, other=0.0).to(cdt)[None, :]
     src = qkv_ptr + row * stride_qkv + heads[:, None] * (2 * HALF) + i[None, :]
@@ -140,7 +155,7 @@ def _rope_qk_kernel(
 
 def _swiglu_kernel(
     gu_ptr, out_ptr, stride_gu, stride_out, n_cols,
-    BLOCK: tl.constexpr, F64: tl.constexpr, LIBDEVICE: tl.constexpr,
+    BLOCK: tl.constexpr, F64: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Row, column tile: silu(gate)·up of columns [tile·BLOCK, (tile+1)·BLOCK)."""
     row = tl.program_id(0).to(tl.int64)
@@ -148,6 +163,9 @@ def _swiglu_kernel(
     ok = cols < n_cols
     dtype = out_ptr.dtype.element_ty
     cdt = tl.float64 if F64 else tl.float32
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     g = tl.load(gu_ptr + row * stride_gu + cols, mask=ok, other=0.0).to(cdt)
     u = tl.load(gu_ptr + row * stride_gu + n_cols + cols, mask=ok, other=0.0).to(cdt)
     if F64:
@@ -160,9 +178,9 @@ def _swiglu_kernel(
     tl.store(out_ptr + row * stride_out + cols, out, mask=ok)
 
 
-def _options(num_warps: int) -> dict[str, object]:
-    """Compile options: no FMA contraction (torch's unfused ops round each step); none when interpreting."""
-    return {} if _interpreting() else {"num_warps": num_warps, "enable_fp_fusion": False}
+def _options(num_warps: int, launch: KernelLaunch) -> dict[str, object]:
+    """Launch keywords: no FMA contraction (torch's unfused ops round each step), and launch's (PDL)."""
+    return launch.kwargs(num_warps=num_warps, enable_fp_fusion=False)
 
 
 def _rows(t: torch.Tensor, name: str) -> None:
@@ -172,7 +190,8 @@ def _rows(t: torch.Tensor, name: str) -> None:
 
 
 def add_rmsnorm(
-    x: torch.Tensor, h: torch.Tensor | None, weight_a: torch.Tensor | None, weight_b: torch.Tensor, eps: float
+    x: torch.Tensor, h: torch.Tensor | None, weight_a: torch.Tensor | None, weight_b: torch.Tensor, eps: float,
+    *, launch: KernelLaunch = PLAIN,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x', y) with x' = x + weight_a·norm(h) and y = weight_b·norm(x'), in one launch.
 
@@ -199,7 +218,7 @@ def add_rmsnorm(
         x.stride(0), h.stride(0) if has_residual else 0, x_out.stride(0), y.stride(0),
         hidden, 1.0 / hidden, eps,
         HAS_RESIDUAL=has_residual, BLOCK=block, F64=f64, LIBDEVICE=not _interpreting(),
-        **_options(4 if block <= 1024 else 8),
+        **_options(4 if block <= 1024 else 8, launch),
     )
     return x_out, y
 
@@ -226,12 +245,13 @@ def rope_qk(
     """
     rope = Rotary(positions, cos, sin, num_heads, num_kv_heads, head_dim)
     out = torch.empty(qkv.shape[0], num_heads + num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    _rope(qkv, rope, out, None)
+    _rope(qkv, rope, out, None, PLAIN)
     return out[:, :num_heads], out[:, num_heads:]
 
 
 def write_kv_rotary(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, qkv: torch.Tensor, rope: Rotary, slot_mapping: torch.Tensor
+    k_cache: torch.Tensor, v_cache: torch.Tensor, qkv: torch.Tensor, rope: Rotary, slot_mapping: torch.Tensor,
+    *, launch: KernelLaunch = PLAIN,
 ) -> torch.Tensor:
     """rope_qk then triton_backend.write_kv in one launch: rotated q [N, Hq, Dh] returned, rotated k
     and v (as it is in qkv) stored at flat cache slots [N] of k_cache/v_cache [blocks, block_size, Hkv, Dh]
@@ -243,13 +263,13 @@ def write_kv_rotary(
                          f"and slots {tuple(slot_mapping.shape)} do not fit qkv {tuple(qkv.shape)} {qkv.dtype} "
                          f"of {rope.num_kv_heads} kv heads of {rope.head_dim}")
     q = torch.empty(qkv.shape[0], rope.num_heads, rope.head_dim, dtype=qkv.dtype, device=qkv.device)
-    _rope(qkv, rope, q, (k_cache, v_cache, slot_mapping))
+    _rope(qkv, rope, q, (k_cache, v_cache, slot_mapping), launch)
     return q
 
 
 def _rope(
     qkv: torch.Tensor, rope: Rotary, out: torch.Tensor,
-    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, launch: KernelLaunch,
 ) -> None:
     """The one RoPE launch: q|k rotated into out, or (cache given) q into out and k, v into the caches."""
     _rows(qkv, "qkv")
@@ -274,11 +294,11 @@ def _rope(
         HALF=half, HALF_PAD=triton.next_power_of_2(half),
         KV_HEADS=num_kv_heads, KV_PAD=triton.next_power_of_2(num_kv_heads),
         BLOCK_SIZE=k_cache.shape[1] if cache else 1, TO_CACHE=cache is not None, F64=qkv.dtype == torch.float64,
-        **_options(4),
+        **_options(4, launch),
     )
 
 
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+def swiglu(gate_up: torch.Tensor, *, launch: KernelLaunch = PLAIN) -> torch.Tensor:
     """silu(gate)·up [N, I] of packed gate|up rows [N, 2·I], in one launch."""
     _rows(gate_up, "gate_up")
     num_rows, width = gate_up.shape
@@ -292,6 +312,6 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
         _kernel(_swiglu_kernel)[(num_rows, triton.cdiv(inner, block))](
             gate_up, out, gate_up.stride(0), out.stride(0), inner,
             BLOCK=block, F64=gate_up.dtype == torch.float64, LIBDEVICE=not _interpreting(),
-            **_options(4),
+            **_options(4, launch),
         )
     return out

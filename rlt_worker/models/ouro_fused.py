@@ -23,7 +23,8 @@ state_dict, under `reference.`) are unchanged.
 
 The kernels round as the torch modules do (rlt_worker/kernels/fused_ops.py), but the mean of
 squares and the packed GEMMs reduce in other orders, so results equal the reference's up to the
-last bit of fp32 (SPEC §7a), not bit for bit. Chosen once, by the worker (`fused_layers`).
+last bit of fp32 (SPEC §7a), not bit for bit. Chosen once, by the worker (`fused_layers`), with
+the kernels' launch (`launch_pdl`: kernels/launch.py), which changes timing, not results.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlt_worker.kernels.fused_ops import add_rmsnorm, rope_qk, rope_table, swiglu
+from rlt_worker.kernels.launch import PLAIN, KernelLaunch
 
 from .base import AttentionContext, LayerId, LoopedModel, Rotary, RotaryAttentionContext
 from .ouro import OuroDecoderLayer, OuroModel
@@ -88,9 +90,10 @@ def pack_layer(layer: OuroDecoderLayer) -> PackedLayer:
 class FusedOuroModel(LoopedModel):
     """The stage API of a loaded OuroModel, with `loop` through the fused kernels (module docstring)."""
 
-    def __init__(self, reference: OuroModel) -> None:
+    def __init__(self, reference: OuroModel, launch: KernelLaunch = PLAIN) -> None:
         super().__init__()
         self.reference = reference
+        self.launch = launch  # how add_rmsnorm and swiglu launch (the context's backend has its own)
         self.config = reference.config
         self.info = reference.info
         cfg = self.config
@@ -116,18 +119,18 @@ class FusedOuroModel(LoopedModel):
     ) -> torch.Tensor:
         """All L decoder layers then `model.norm`, through the fused kernels."""
         n = state.shape[0]
-        heads, kv_heads, head_dim, eps = self._heads, self._kv_heads, self._head_dim, self._eps
+        heads, kv_heads, head_dim, eps, launch = self._heads, self._kv_heads, self._head_dim, self._eps, self.launch
         layers = self._layers
         rope = Rotary(positions, self._cos, self._sin, heads, kv_heads, head_dim)
         attend_rotary = (ctx.attend_rotary if isinstance(ctx, RotaryAttentionContext)
                          else functools.partial(rope_then_attend, ctx))
-        x, y = add_rmsnorm(state, None, None, layers[0].input_norm, eps)
+        x, y = add_rmsnorm(state, None, None, layers[0].input_norm, eps, launch=launch)
         for i, w in enumerate(layers):
             attn = attend_rotary(w.layer, F.linear(y, w.qkv), rope).reshape(n, heads * head_dim)
-            x, y = add_rmsnorm(x, F.linear(attn, w.o), w.input_norm_2, w.post_norm, eps)
-            mlp = F.linear(swiglu(F.linear(y, w.gate_up)), w.down)
+            x, y = add_rmsnorm(x, F.linear(attn, w.o), w.input_norm_2, w.post_norm, eps, launch=launch)
+            mlp = F.linear(swiglu(F.linear(y, w.gate_up), launch=launch), w.down)
             closing = layers[i + 1].input_norm if i + 1 < len(layers) else self._final_norm
-            x, y = add_rmsnorm(x, mlp, w.post_norm_2, closing, eps)
+            x, y = add_rmsnorm(x, mlp, w.post_norm_2, closing, eps, launch=launch)
         return y
 
     def exit_gate(self, state: torch.Tensor) -> torch.Tensor:
@@ -150,9 +153,10 @@ def rope_then_attend(ctx: AttentionContext, layer: LayerId, qkv: torch.Tensor, r
     return ctx.attend(layer, q, k, v)
 
 
-def with_fused_layers(model: LoopedModel) -> LoopedModel:
-    """The worker's seam: Ouro gets FusedOuroModel; other families (Huginn) keep their torch modules."""
+def with_fused_layers(model: LoopedModel, launch: KernelLaunch = PLAIN) -> LoopedModel:
+    """The worker's seam: Ouro gets FusedOuroModel (its kernels launched under `launch`); other
+    families (Huginn) keep their torch modules."""
     if isinstance(model, OuroModel):
-        return FusedOuroModel(model)
+        return FusedOuroModel(model, launch)
     log.info("fused_layers: no fused path for the %s family; its torch modules run", model.info.family)
     return model

@@ -1,0 +1,222 @@
+"""Programmatic dependent launch of the decode pass's Triton kernels (rlt_worker/kernels/launch.py).
+
+CPU: the switch resolves to plain launches wherever PDL cannot run (the CPU, the interpreter, the
+torch backend, a config that asks for none), and each of the five kernels compiled for sm_90 by
+Triton's own compiler (no GPU needed: PTX through the bundled ptxas) orders its PTX as the PDL
+contract says: one griddepcontrol.wait, launch_dependents right after it, every store after it,
+and before it no global load but add + RMSNorm's norm weights; with PDL off, no griddepcontrol at
+all. The interpreter has no grid dependency control, so it only ever runs the kernels with PDL off
+(the rest of the suite).
+
+GPU (marked gpu): one fused loop pass of synthetic-ouro-1.4b (bf16, context 1,024) captured in a
+CUDA graph with PDL on and with it off, rows 1 (split attention + merge) and 32 (no split): every
+replay's output bit for bit the same. And the engine with `launch_pdl` (toy-ouro, bf16, start-up
+graphs, prefill graphs): its worker's fused model and attention backend launch with PDL, and greedy
+tokens equal the plain engine's.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from rlt_engine.config import EngineConfig
+from rlt_worker.attention import get_backend
+from rlt_worker.attention import triton_backend as tb
+from rlt_worker.kernels import fused_ops
+from rlt_worker.kernels.launch import PLAIN, KernelLaunch
+
+pytestmark = pytest.mark.skipif(tb.triton is None, reason="Triton is not installed")
+
+
+def test_pdl_is_chosen_for_cuda_with_triton_only_and_off_by_default() -> None:
+    assert EngineConfig(device="cuda").resolved().launch_pdl is False
+    assert EngineConfig(device="cpu", launch_pdl=True).resolved().launch_pdl is False
+    assert EngineConfig(device="cuda", attention_backend="torch", launch_pdl=True).resolved().launch_pdl is False
+    cuda = EngineConfig(device="cuda", launch_pdl=True).resolved()
+    assert cuda.launch_pdl is True and cuda.worker_config("cuda").launch_pdl is True
+
+
+def test_launch_for_a_device_without_pdl_is_plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert KernelLaunch.for_device(False, torch.device("cpu")) is PLAIN
+    assert KernelLaunch.for_device(True, torch.device("cpu")) is PLAIN
+    assert KernelLaunch(pdl=True).kwargs(num_warps=4) == {"num_warps": 4, "PDL": True, "launch_pdl": True}
+    assert PLAIN.kwargs(num_warps=4) == {"num_warps": 4, "PDL": False, "launch_pdl": False}
+
+
+def test_the_interpreter_never_launches_with_pdl(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match="compiled kernels"):
+        KernelLaunch(pdl=True)
+    assert PLAIN.kwargs(num_warps=4) == {"PDL": False}  # the interpreter takes no compile options
+
+
+def test_backends_under_pdl(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    pdl = KernelLaunch(pdl=True)
+    assert get_backend("triton") is tb
+    with pytest.raises(ValueError, match="Triton kernels"):
+        get_backend("torch", pdl)
+    launched = get_backend("triton", pdl)
+    assert launched.paged_attention.keywords == {"launch": pdl}
+    assert launched.write_kv_rotary.keywords == {"launch": pdl}
+    # The kernels PDL does not cover run as the plain backend's.
+    assert (launched.write_kv, launched.finalize_kv, launched.prefill_attention) == (
+        tb.write_kv, tb.finalize_kv, tb.prefill_attention)
+
+
+# ---- PTX order, compiled for sm_90 on the CPU ---------------------------------------------------
+
+# Each kernel at Ouro-1.4B widths (bf16): constexprs, pointer/scalar types that differ from the
+# default (*bf16 for a pointer, i32 for a scalar), compile options.
+KERNELS: dict[str, tuple[Callable[..., object], dict, dict, dict]] = {
+    "add_rmsnorm": (fused_ops._add_rmsnorm_kernel,
+                    dict(HAS_RESIDUAL=True, BLOCK=2048, F64=False, LIBDEVICE=True),
+                    {"eps_ptr": "*fp64", "inv_n": "fp32", "eps": "fp32"}, dict(num_warps=8, enable_fp_fusion=False)),
+    "rope": (fused_ops._rope_qk_kernel,
+             dict(NUM_HEADS=32, NUM_OUT=16, HEADS_PAD=32, HALF=64, HALF_PAD=64, KV_HEADS=16, KV_PAD=16,
+                  BLOCK_SIZE=16, TO_CACHE=True, F64=False),
+             {"pos_ptr": "*i64", "slot_ptr": "*i64"}, dict(num_warps=4, enable_fp_fusion=False)),
+    "swiglu": (fused_ops._swiglu_kernel, dict(BLOCK=1024, F64=False, LIBDEVICE=True), {},
+               dict(num_warps=4, enable_fp_fusion=False)),
+    "attention": (tb._attn_kernel,
+                  dict(GROUP=1, GROUP_PAD=16, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, TILE=64, NUM_SPLITS=8,
+                       USE_DOT=True, DOT_PRECISION=None, ACC_F64=False),
+                  {"bt_ptr": "*i32", "ctx_ptr": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
+                   "qk_scale": "fp32", "scale_ptr": "*fp64"}, dict(num_warps=4, num_stages=3)),
+    "merge": (tb._merge_kernel, dict(HEAD_DIM=128, D_PAD=128, NUM_SPLITS=8, S_PAD=8, ACC_F64=False),
+              {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"}, {}),
+}
+_MEMORY_OP = re.compile(r"\b(griddepcontrol\.\w+|ld\.global|st\.global|cp\.async|atom\.global|red\.global)")
+
+
+def _ptx_memory_ops(name: str, pdl: bool) -> tuple[list[str], bool]:
+    """The kernel's griddepcontrol and global memory instructions in PTX order, and its launch_pdl."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn, constexprs, types, options = KERNELS[name]
+    options = KernelLaunch(pdl=pdl).kwargs(**options)  # what a wrapper passes: the PDL constexpr is one of them
+    constexprs = {**constexprs, "PDL": options.pop("PDL")}
+    signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "*bf16" if arg.endswith("_ptr") else "i32")
+                 for arg in inspect.signature(fn).parameters}
+    source = ASTSource(fn=tb.triton.jit(fn), signature=signature, constexprs=constexprs)
+    kernel = tb.triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    ops = [m.group(1) for line in kernel.asm["ptx"].splitlines() if (m := _MEMORY_OP.search(line))]
+    return ops, kernel.metadata.launch_pdl
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_pdl_kernels_wait_before_reading_activations_and_before_storing(compiled: None, name: str) -> None:
+    ops, launch_pdl = _ptx_memory_ops(name, pdl=True)
+    assert launch_pdl is True
+    assert ops.count("griddepcontrol.wait") == 1 and ops.count("griddepcontrol.launch_dependents") == 1, ops
+    wait = ops.index("griddepcontrol.wait")
+    assert ops[wait + 1] == "griddepcontrol.launch_dependents", ops
+    before, after = ops[:wait], ops[wait + 2 :]
+    assert all(op == "ld.global" for op in before), before  # no store, no async copy before the wait
+    assert any(op == "st.global" for op in after)
+    if name == "add_rmsnorm":
+        # w_a and w_b before the wait, x and h (as wide) after it.
+        assert len(before) == after.count("ld.global") > 0, ops
+    else:
+        assert before == [], before
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_plain_kernels_have_no_grid_dependency_control(compiled: None, name: str) -> None:
+    ops, launch_pdl = _ptx_memory_ops(name, pdl=False)
+    assert launch_pdl is False
+    assert not any(op.startswith("griddepcontrol") for op in ops), ops
+
+
+# ---- GPU: a captured fused pass, PDL on against off ---------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or tb._interpreting(),
+                                reason="needs CUDA and TRITON_INTERPRET unset")
+
+
+def _captured_pass(model, backend, storage, tables, positions, state) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """One fused loop pass over the paged pool, warmed up (kernels compiled) and captured."""
+    from rlt_worker.paged_context import PagedContext, PagedPlaneView
+
+    view = PagedPlaneView(tables, positions, storage.block_size)
+    ctx = PagedContext(storage, backend, positions, view, None)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.inference_mode():
+        model.loop(state, state, positions, ctx)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.inference_mode():
+        out = model.loop(state, state, positions, ctx)
+    return graph, out
+
+
+@pytest.fixture(scope="module")
+def synthetic_ouro() -> object:
+    """synthetic-ouro-1.4b in bf16 on the GPU, loaded once for the module."""
+    from rlt_worker.models.loader import load_model
+
+    return load_model("synthetic-ouro-1.4b", dtype=torch.bfloat16, device=torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 32])
+def test_gpu_pdl_pass_equals_plain_bit_for_bit_in_a_graph(synthetic_ouro, rows: int) -> None:
+    from rlt_worker.kv_storage import KVStorage
+    from rlt_worker.models.ouro_fused import FusedOuroModel
+
+    reference = synthetic_ouro
+    device, dtype, context, block_size = torch.device("cuda"), torch.bfloat16, 1024, 16
+    pdl = KernelLaunch.for_device(True, device)
+    assert pdl.pdl, f"{torch.cuda.get_device_name()} has no PDL (sm_90+)"
+    blocks = context // block_size
+    storage = KVStorage(reference.info, rows * blocks, block_size, dtype, device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    storage.pool.normal_(generator=gen)
+    tables = torch.arange(rows * blocks, dtype=torch.int32, device=device).view(rows, blocks)
+    positions = torch.full((rows,), context - 1, device=device)
+    with torch.inference_mode():
+        state = reference.model.norm(torch.randn(rows, reference.info.hidden_size, generator=gen, device=device,
+                                                 dtype=torch.float32).to(dtype))
+    # Both passes write the same K/V at the rows' last position: neither changes what the other reads.
+    graphs = [_captured_pass(FusedOuroModel(reference, launch), get_backend("triton", launch), storage, tables,
+                             positions, state) for launch in (PLAIN, pdl)]
+    (plain_graph, plain_out), (pdl_graph, pdl_out) = graphs
+    plain_graph.replay()
+    want = plain_out.clone()
+    assert torch.isfinite(want).all()
+    for replay in range(50):  # a missing wait would race: give it many chances to show
+        pdl_graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(pdl_out, want), f"replay {replay}: max |Δ| {(pdl_out - want).abs().max().item()}"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_engine_with_launch_pdl_gives_the_plain_engines_tokens() -> None:
+    import random
+
+    from protocol.messages import SamplingParams
+    from rlt_engine import LLM
+
+    rng = random.Random("pdl")
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(4, 40))] for _ in range(6)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for pdl in (False, True):
+        with LLM("toy-ouro", workers=0, device="cuda", dtype="bfloat16", exit_mode="fixed", launch_pdl=pdl,
+                 max_num_seqs=4, num_blocks=256) as llm:
+            runner = llm.engine.executor._worker.runner
+            assert runner.model.launch.pdl is pdl and (runner._backend is tb) is not pdl
+            tokens[pdl] = [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+            stats = runner.graph_stats
+        assert stats["replays"] > 0, stats  # the passes ran from graphs captured with PDL launches
+    assert tokens[True] == tokens[False]
