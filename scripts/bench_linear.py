@@ -13,7 +13,7 @@ time per GEMM, reported with the bandwidth it implies (weight bytes / time). Var
     cublas     F.linear, torch's default BLAS library
     cublaslt   F.linear with torch.backends.cuda.preferred_blas_library("cublaslt")
     mv         torch.mv on the 1-row input (cuBLAS's GEMV entry point; rows = 1 only)
-    splitk     rlt_worker/kernels/splitk_gemv.py with the shape's SPLITK_SETTINGS entry
+    splitk     rlt_worker/kernels/splitk_gemv.py with the weight's SPLITK_SETTINGS entry
                (rlt_worker/models/ouro_fused.py), or SplitKConfig()'s defaults where it has none
 
 `--sweep` times cuBLAS and then split-K at every setting of the grid (--block-n × --block-k ×
@@ -62,8 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-n", default="8,16,32,64")
     p.add_argument("--block-k", default="256,512")
     p.add_argument("--splits", default="1,2,4,8")
-    p.add_argument("--warps", default="4,8")
-    p.add_argument("--stages", default="3")
+    p.add_argument("--warps", default="4")
+    p.add_argument("--stages", default="1,3", help="1: no cp.async ring (a slice of 1-2 K blocks gains nothing "
+                   "from one, and its shared memory costs programs per SM)")
     p.add_argument("--dot", default="1,0", help="1: tl.dot (tensor cores), 0: multiply-add")
     return p.parse_args(argv)
 
@@ -72,12 +73,12 @@ def ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",")]
 
 
-def linear_fn(variant: str, n: int, k: int, device: torch.device,
+def linear_fn(variant: str, n: int, k: int, dtype: torch.dtype, device: torch.device,
               max_rows: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     if variant == "mv":
         return lambda x, w: torch.mv(w, x[0]).unsqueeze(0)
     if variant == "splitk":
-        return SplitKGemv(n, k, SPLITK_SETTINGS.get((n, k), SplitKConfig()), max_rows, device)
+        return SplitKGemv(n, k, SPLITK_SETTINGS.get((n, k, dtype), SplitKConfig()), max_rows, device)
     if device.type == "cuda":
         torch.backends.cuda.preferred_blas_library("cublaslt" if variant == "cublaslt" else "cublas")
     return F.linear
@@ -115,13 +116,15 @@ def gb_per_s(n: int, k: int, dtype: torch.dtype, us: float) -> float:
 
 
 def sweep_grid(args: argparse.Namespace) -> list[SplitKConfig]:
-    """Every valid setting of the grid; multiply-add settings whose product tile passes 256 fp32 values
-    a thread (BLOCK_M·BLOCK_N·BLOCK_K / threads) are left out: they only spill."""
+    """Every valid setting of the grid. Multiply-add settings whose product tile passes 128 fp32 values
+    a thread (BLOCK_M·BLOCK_N·BLOCK_K / threads) are left out: its reduction over K is a shuffle tree
+    per (row, column), which at 8 rows already costs more than the load (PTX of N8 K512 at 8 warps:
+    512 shuffles a thread), and larger tiles spill."""
     configs = []
     for dot, bn, bk, s, nw, ns in itertools.product(ints(args.dot), ints(args.block_n), ints(args.block_k),
                                                     ints(args.splits), ints(args.warps), ints(args.stages)):
         block_m = 16 if dot else 1 << (args.max_rows - 1).bit_length()
-        if (dot and min(bn, bk) < 16) or (not dot and block_m * bn * bk > 256 * 32 * nw):
+        if (dot and min(bn, bk) < 16) or (not dot and block_m * bn * bk > 128 * 32 * nw):
             continue
         configs.append(SplitKConfig(bn, bk, s, nw, ns, bool(dot)))
     return configs
@@ -133,7 +136,7 @@ def sweep_shape(args: argparse.Namespace, name: str, weights: list[torch.Tensor]
     n, k = weights[0].shape
     device, dtype = weights[0].device, weights[0].dtype
     xs = {rows: torch.randn(rows, k, device=device, dtype=dtype) for rows in rows_list}
-    cublas = {rows: time_per_gemm(linear_fn("cublas", n, k, device, args.max_rows), weights, x, args.replays)
+    cublas = {rows: time_per_gemm(linear_fn("cublas", n, k, dtype, device, args.max_rows), weights, x, args.replays)
               for rows, x in xs.items()}
     results = []
     for cfg in configs:
@@ -176,10 +179,10 @@ def sweep(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) ->
     print("winners (least µs summed over rows; switch on where faster than cuBLAS at every row count):")
     for name, w in winners.items():
         wins = all(w["us"][rows] < w["cublas_us"][rows] for rows in rows_list)
-        entry = f"({w['out']}, {w['in']}): {SplitKConfig(**w['config'])!r},"
+        entry = f"({w['out']}, {w['in']}, {dtype}): {SplitKConfig(**w['config'])!r},"
         print(f"    {name:>9} {'WINS ' if wins else 'loses'} {entry}  # splits run {w['splits_run']}, "
               + ", ".join(f"{rows} rows ×{w['cublas_us'][rows] / w['us'][rows]:.2f}" for rows in rows_list))
-    return {"sweep": results, "winners": winners}
+    return {"dtype": str(dtype), "sweep": results, "winners": winners}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -205,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
                 if variant == "mv" and rows != 1:
                     cells.append(f"{'—':>20}")
                     continue
-                us = time_per_gemm(linear_fn(variant, n, k, device, args.max_rows), weights, x, args.replays)
+                us = time_per_gemm(linear_fn(variant, n, k, dtype, device, args.max_rows), weights, x, args.replays)
                 gbps = gb_per_s(n, k, dtype, us)
                 row[variant] = {"us": us, "gb_per_s": gbps}
                 cells.append(f"{us:>9.2f} ({gbps:>7.0f})")

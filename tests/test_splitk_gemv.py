@@ -113,8 +113,9 @@ def _toy_settings(dot: bool) -> dict:
     """Split-K settings for three of toy-ouro's four weight shapes (down, 64×128, stays F.linear)."""
     from rlt_worker.kernels.splitk_gemv import SplitKConfig
 
-    return {shape: SplitKConfig(block_n=16, block_k=16 if dot else 32, splits=s, dot=dot)
-            for shape, s in (((128, 64), 2), ((64, 64), 4), ((256, 64), 3))}
+    return {(*shape, dtype): SplitKConfig(block_n=16, block_k=16 if dot else 32, splits=s, dot=dot)
+            for shape, s in (((128, 64), 2), ((64, 64), 4), ((256, 64), 3))
+            for dtype in (torch.float32, torch.float64)}  # float64 is listed, and still keeps F.linear
 
 
 def check_fused_loop(dot: bool, pass_rows: tuple[int, ...]) -> None:
@@ -163,7 +164,7 @@ def check_bench_sweep() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "sweep.json"
         bench_linear.main(["--device", "cpu", "--shrink", "64", "--layers", "2", "--rows", "1,3", "--sweep",
-                           "--block-n", "16", "--block-k", "16", "--splits", "1,2", "--warps", "4",
+                           "--block-n", "16", "--block-k", "16", "--splits", "1,2", "--stages", "1",
                            "--json", str(out)])
         report = json.loads(out.read_text())
     assert len(report["sweep"]) == 4 * 2 * 2  # shapes × (dot, multiply-add) × splits
@@ -213,7 +214,7 @@ OURO_SHAPES = [(6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632)]
 # output (2^-8 of the value for bf16) plus cancellation near zero.
 HALF = {torch.bfloat16: dict(rtol=2.0**-7, atol=2e-3), torch.float16: dict(rtol=2.0**-9, atol=5e-4)}
 GPU_CONFIGS = [dict(block_n=32, block_k=256, splits=4, dot=True),
-               dict(block_n=8, block_k=512, splits=2, num_warps=8, dot=False)]
+               dict(block_n=8, block_k=512, splits=2, num_warps=8, num_stages=1, dot=False)]
 
 
 @pytest.mark.gpu

@@ -22,9 +22,9 @@ weights at views of it, so no weight is held twice and the checkpoint's names (t
 state_dict, under `reference.`) are unchanged.
 
 The four GEMMs go through one linear strategy chosen at construction (`linear_choice`): F.linear
-(cuBLAS) for every weight, unless `splitk` names a tile setting for a weight's shape (out, in), in
-which case a SplitKGemv (rlt_worker/kernels/splitk_gemv.py) serves that shape's weights for
-passes of at most `splitk_max_rows` rows, F.linear the rest. SPLITK_SETTINGS, the default, is empty
+(cuBLAS) for every weight, unless `splitk` names a tile setting for a weight's (out, in, dtype), in
+which case a SplitKGemv (rlt_worker/kernels/splitk_gemv.py) serves those weights for passes of at
+most `splitk_max_rows` rows, F.linear the rest. SPLITK_SETTINGS, the default, is empty
 until the H200 sweep (`scripts/bench_linear.py --sweep`) shows which shapes split-K wins.
 
 The kernels round as the torch modules do (rlt_worker/kernels/fused_ops.py), but the mean of
@@ -53,10 +53,11 @@ from .ouro import OuroDecoderLayer, OuroModel
 log = logging.getLogger("rlt.worker")
 
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [M, K], weight [N, K]) -> x·weightᵀ
+WeightKey = tuple[int, int, torch.dtype]  # (out_features, in_features, dtype) of a weight
 
-# Split-K tile settings by weight shape (out_features, in_features), measured on one H200 in bf16
-# (scripts/bench_linear.py --sweep); a shape not listed keeps cuBLAS. Empty: split-K is off.
-SPLITK_SETTINGS: Mapping[tuple[int, int], SplitKConfig] = {}
+# Split-K tile settings by weight, as measured on one H200 (scripts/bench_linear.py --sweep, which
+# prints these entries); a weight not listed keeps cuBLAS. Empty: split-K is off.
+SPLITK_SETTINGS: Mapping[WeightKey, SplitKConfig] = {}
 # Passes of at most this many rows use the split-K settings (the kernel's rows per program).
 SPLITK_MAX_ROWS = 8
 
@@ -105,7 +106,7 @@ def pack_layer(layer: OuroDecoderLayer) -> PackedLayer:
 class FusedOuroModel(LoopedModel):
     """The stage API of a loaded OuroModel, with `loop` through the fused kernels (module docstring)."""
 
-    def __init__(self, reference: OuroModel, splitk: Mapping[tuple[int, int], SplitKConfig] = SPLITK_SETTINGS,
+    def __init__(self, reference: OuroModel, splitk: Mapping[WeightKey, SplitKConfig] = SPLITK_SETTINGS,
                  splitk_max_rows: int = SPLITK_MAX_ROWS) -> None:
         super().__init__()
         self.reference = reference
@@ -164,36 +165,35 @@ class FusedOuroModel(LoopedModel):
 
 
 class RowBoundLinear:
-    """x·Wᵀ through the SplitKGemv of W's shape when x has at most max_rows rows, else F.linear.
+    """x·Wᵀ through the SplitKGemv of W's (out, in, dtype) when x has at most max_rows rows, else F.linear.
 
     A CUDA graph fixes its row count at capture, so within one graph the choice is static."""
 
-    def __init__(self, gemvs: Mapping[tuple[int, int], SplitKGemv], max_rows: int) -> None:
+    def __init__(self, gemvs: Mapping[WeightKey, SplitKGemv], max_rows: int) -> None:
         self._gemvs, self.max_rows = dict(gemvs), max_rows
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        gemv = self._gemvs.get(tuple(weight.shape)) if x.shape[0] <= self.max_rows else None
+        gemv = self._gemvs.get((*weight.shape, weight.dtype)) if x.shape[0] <= self.max_rows else None
         return F.linear(x, weight) if gemv is None else gemv(x, weight)
 
     def __repr__(self) -> str:
         return f"RowBoundLinear(max_rows={self.max_rows}, {list(self._gemvs.values())})"
 
 
-def linear_choice(weights: list[torch.Tensor], splitk: Mapping[tuple[int, int], SplitKConfig],
-                  max_rows: int) -> Linear:
-    """F.linear, or a RowBoundLinear with one SplitKGemv (and workspace) per weight shape in `splitk`.
+def linear_choice(weights: list[torch.Tensor], splitk: Mapping[WeightKey, SplitKConfig], max_rows: int) -> Linear:
+    """F.linear, or a RowBoundLinear with one SplitKGemv (and workspace) per (out, in, dtype) in `splitk`.
 
     Split-K runs where its kernel does: weights of a supported dtype on CUDA (or on the CPU under
     TRITON_INTERPRET=1, the tests); float64, and float32 on a plain CPU, keep torch's path."""
     gemvs = {}
     for w in weights:
-        shape = tuple(w.shape)
+        key = (*w.shape, w.dtype)
         runs_here = w.dtype in SUPPORTED_DTYPES and (w.is_cuda or _interpreting())
-        if shape in splitk and shape not in gemvs and runs_here:
-            gemvs[shape] = SplitKGemv(*shape, splitk[shape], max_rows, w.device)
+        if key in splitk and key not in gemvs and runs_here:
+            gemvs[key] = SplitKGemv(*w.shape, splitk[key], max_rows, w.device)
     if not gemvs:
         return F.linear
-    log.info("fused_layers: split-K GEMV for ≤ %d rows on weights %s", max_rows, sorted(gemvs))
+    log.info("fused_layers: split-K GEMV for ≤ %d rows on weights %s", max_rows, list(gemvs))
     return RowBoundLinear(gemvs, max_rows)
 
 
