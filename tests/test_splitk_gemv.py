@@ -14,7 +14,8 @@ bf16 is checked on the GPU only: the interpreter truncates fp32→bf16 casts ins
 
 GPU (marked gpu): Ouro-1.4B's four packed shapes in bf16 and fp16 within half-precision tolerance of
 torch's fp32 product, float32 within fp32 tolerance (tf32 would miss it by far), bit-identical
-across runs and across M, and the same bits when replayed from a CUDA graph.
+across runs and across M, and the same bits when replayed from a CUDA graph; the same for every
+setting SPLITK_SETTINGS switches on.
 """
 
 from __future__ import annotations
@@ -217,33 +218,54 @@ GPU_CONFIGS = [dict(block_n=32, block_k=256, splits=4, dot=True),
                dict(block_n=8, block_k=512, splits=2, num_warps=8, num_stages=1, dot=False)]
 
 
+def check_gpu(n: int, k: int, dtype: torch.dtype, config) -> None:
+    """One weight on the GPU: close to torch, bit-identical across runs and M, the same bits from a graph."""
+    from rlt_worker.kernels.splitk_gemv import SplitKGemv
+
+    gemv = SplitKGemv(n, k, config, 8, "cuda")
+    x, w = _inputs(n, k, 8, dtype, "cuda")
+    w = w * k**-0.5  # outputs of order 1, as a layer's
+    want = (x.float() @ w.float().T).to(dtype)
+    full = gemv(x, w)
+    torch.testing.assert_close(full, want, **(HALF.get(dtype) or F32),
+                               msg=lambda e, where=f"{n}×{k} {config}": f"{where}: {e}")
+    assert torch.equal(gemv(x, w), full)
+    for m in (1, 3, 8):
+        assert torch.equal(gemv(x[:m], w), full[:m]), f"{n}×{k}: first {m} rows"
+    assert torch.equal(gemv(x[5:6], w), full[5:6])
+    static_x = x[:1].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = gemv(static_x, w)
+    for r in (2, 7):
+        static_x.copy_(x[r : r + 1])
+        graph.replay()
+        assert torch.equal(static_y, full[r : r + 1]), f"{n}×{k}: graph replay, row {r}"
+    assert int(gemv._counts.abs().sum()) == 0
+
+
 @pytest.mark.gpu
 @interp.needs_cuda
 @pytest.mark.parametrize("config", GPU_CONFIGS, ids=["dot", "fma"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gpu_ouro_shapes(config: dict, dtype: torch.dtype) -> None:
-    """Close to torch in each dtype, bit-identical across runs and M, and the same bits from a graph."""
+    """Both inner products at Ouro-1.4B's four packed shapes, in each dtype (check_gpu)."""
+    from rlt_worker.kernels.splitk_gemv import SplitKConfig
+
     for n, k in OURO_SHAPES:
-        gemv = _gemv(n, k, device="cuda", **config)
-        x, w = _inputs(n, k, 8, dtype, "cuda")
-        w = w * k**-0.5  # outputs of order 1, as a layer's
-        want = (x.float() @ w.float().T).to(dtype)
-        full = gemv(x, w)
-        torch.testing.assert_close(full, want, **(HALF.get(dtype) or F32),
-                                   msg=lambda e, where=f"{n}×{k}": f"{where}: {e}")
-        assert torch.equal(gemv(x, w), full)
-        for m in (1, 3, 8):
-            assert torch.equal(gemv(x[:m], w), full[:m]), f"{n}×{k}: first {m} rows"
-        assert torch.equal(gemv(x[5:6], w), full[5:6])
-        static_x = x[:1].clone()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_y = gemv(static_x, w)
-        for r in (2, 7):
-            static_x.copy_(x[r : r + 1])
-            graph.replay()
-            assert torch.equal(static_y, full[r : r + 1]), f"{n}×{k}: graph replay, row {r}"
-        assert int(gemv._counts.abs().sum()) == 0
+        check_gpu(n, k, dtype, SplitKConfig(**config))
+
+
+@pytest.mark.gpu
+@interp.needs_cuda
+def test_gpu_switched_on_settings() -> None:
+    """Every setting SPLITK_SETTINGS switches on, at its own shape and dtype (check_gpu)."""
+    from rlt_worker.models.ouro_fused import SPLITK_SETTINGS
+
+    if not SPLITK_SETTINGS:
+        pytest.skip("SPLITK_SETTINGS is empty: split-K is off")
+    for (n, k, dtype), config in SPLITK_SETTINGS.items():
+        check_gpu(n, k, dtype, config)
 
 
 if __name__ == "__main__":
