@@ -15,6 +15,15 @@ def single_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module")
+def interp_verdicts(request: pytest.FixtureRequest) -> dict[str, str]:
+    """The test module's interpreter cases (its INTERP_CASES), run once in a child with TRITON_INTERPRET=1
+    (tests/interp.py): each case's verdict, "ok" or its traceback."""
+    import interp
+
+    return interp.verdicts(request.module.__file__)
+
+
 @pytest.fixture
 def compiled(monkeypatch: pytest.MonkeyPatch) -> None:
     """Run the compiled Triton kernels, whatever the caller's environment says (TRITON_INTERPRET)."""

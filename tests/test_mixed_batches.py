@@ -336,11 +336,6 @@ def _interp_engine_mixed() -> None:
 INTERP_CASES: dict[str, Callable[[], None]] = {"engine-float64-mixed": _interp_engine_mixed}
 
 
-@pytest.fixture(scope="module")
-def interp_verdicts() -> dict[str, str]:
-    return interp.verdicts(__file__)
-
-
 @pytest.mark.parametrize("case", list(INTERP_CASES))
 def test_interpreter_mixed_batches(interp_verdicts: dict[str, str], case: str) -> None:
     verdict = interp_verdicts[case]

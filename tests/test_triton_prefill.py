@@ -243,12 +243,6 @@ INTERP_CASES: dict[str, Callable[[], None]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def interp_verdicts() -> dict[str, str]:
-    """Run all interpreter cases once in a child with TRITON_INTERPRET=1."""
-    return interp.verdicts(__file__)
-
-
 @pytest.mark.parametrize("case", list(INTERP_CASES))
 def test_interpreter_matches_torch_ref(interp_verdicts: dict[str, str], case: str) -> None:
     """Each interpreter case (see INTERP_CASES) passed in the child."""
