@@ -185,6 +185,13 @@ def sweep(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) ->
     return {"dtype": str(dtype), "sweep": results, "winners": winners}
 
 
+def winning_settings(report: dict) -> dict:
+    """A --sweep JSON's winners that beat cuBLAS at every row count, as SPLITK_SETTINGS entries."""
+    dtype = getattr(torch, report["dtype"].removeprefix("torch."))
+    return {(w["out"], w["in"], dtype): SplitKConfig(**w["config"]) for w in report["winners"].values()
+            if all(us < w["cublas_us"][rows] for rows, us in w["us"].items())}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = torch.device(args.device)

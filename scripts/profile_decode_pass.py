@@ -20,6 +20,8 @@ Defaults: synthetic-ouro-1.4b, rows 1 and 32, every row at position context−1 
 launched with launch_pdl, rlt_worker/kernels/launch.py) instead of plain launches; `--pdl both` times
 both in the same run and compares them (bit-equal expected: PDL changes timing, not arithmetic).
 The PDL path packs its own copy of the q|k|v and gate|up weights (a second FusedOuroModel).
+`--splitk FILE` adds `fused-splitk`: the fused path with plain launches and the split-K settings
+that won in a `scripts/bench_linear.py --sweep --json FILE` run, compared with `fused` the same way.
 
 Both paths share one KV pool of random K/V (only values read by attention; both write their own
 K/V of the pass at the same slots). The bytes a pass must read (loop weights + the context's K/V)
@@ -53,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for the bytes floor (H200: 4.8 TB/s)")
     p.add_argument("--pdl", choices=("off", "on", "both"), default="off",
                    help="the fused path with plain launches, with programmatic dependent launch, or both")
+    p.add_argument("--splitk", default=None, metavar="FILE",
+                   help="also time the fused path with the winning split-K settings of this bench_linear sweep JSON")
     p.add_argument("--top", type=int, default=0, help="print the N kernel names with the most GPU time per path")
     p.add_argument("--json", default=None, help="write the results here")
     return p.parse_args(argv)
@@ -65,6 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from bench_linear import winning_settings  # noqa: E402  (scripts/, this script's folder)
 
 from protocol.columns import I32, I64, pack  # noqa: E402
 from protocol.messages import Admit, BlockAppends, ExecutionPlan  # noqa: E402
@@ -97,6 +102,10 @@ class Setup:
         # Each FusedOuroModel packs the reference's weights in place (views): a second one packs a copy.
         paths = [("torch", self.reference, PLAIN)] + [(name, FusedOuroModel(self.reference, launch), launch)
                                                       for name, launch in fused]
+        if args.splitk:
+            settings = winning_settings(json.loads(Path(args.splitk).read_text()))
+            print(f"fused-splitk: {len(settings)} weights on split-K: {settings}")
+            paths.append(("fused-splitk", FusedOuroModel(self.reference, PLAIN, splitk=settings), PLAIN))
         planes = num_planes(info, "last_exited", self.depth)
         self.runners = {name: self._runner(model, launch, planes, max_rows, num_blocks)
                         for name, model, launch in paths}
@@ -243,6 +252,7 @@ def main(args: argparse.Namespace) -> dict:
         report["pdl_launches"] = setup.pdl.pdl  # False: this device has no PDL, fused-pdl launches plainly
         layers = setup.info.num_loop_kv_layers
         comparisons = [("torch", _fused_path(setup))] + ([("fused", "fused-pdl")] if args.pdl == "both" else [])
+        comparisons += [(_fused_path(setup), "fused-splitk")] if args.splitk else []
         for rows in rows_list:
             outs = {name: setup.run_pass(name, rows, args.context) for name in setup.runners}
             report["parity"].extend({"pair": f"{b} vs {a}", "dtype": dtype_name, "rows": rows,
@@ -278,12 +288,12 @@ def print_report(report: dict, hbm_tbps: float) -> None:
     if report["pdl"] != "off":
         state = "on" if report["pdl_launches"] else "unavailable here: plain launches"
         print(f"fused-pdl: programmatic dependent launch {state}")
-    print(f"{'path':9} {'dtype':9} {'rows':>4} {'bucket':>7} {'kernels':>8} {'/layer':>7} {'GPU ms p50':>10} "
+    print(f"{'path':12} {'dtype':9} {'rows':>4} {'bucket':>7} {'kernels':>8} {'/layer':>7} {'GPU ms p50':>10} "
           f"{'p10':>7} {'p90':>7} {'bytes floor ms':>15}")
     for p in report["passes"]:
         kernels = "-" if p["kernels"] is None else str(p["kernels"])
         per_layer = "-" if p["kernels_per_layer"] is None else f"{p['kernels_per_layer']:.1f}"
-        print(f"{p['path']:9} {p['dtype']:9} {p['rows']:>4} {p['bucket']:>7} {kernels:>8} {per_layer:>7} "
+        print(f"{p['path']:12} {p['dtype']:9} {p['rows']:>4} {p['bucket']:>7} {kernels:>8} {per_layer:>7} "
               f"{p['gpu_ms_median']:>10.3f} {p['gpu_ms_p10']:>7.3f} {p['gpu_ms_p90']:>7.3f} "
               f"{p['bytes_floor_ms']:>15.3f}")
         if p.get("kernel_us_sum") is not None and p["kernels"]:
@@ -297,7 +307,7 @@ def print_report(report: dict, hbm_tbps: float) -> None:
               f"GPU, eager {c['eager_wall_ms_median']:.3f} ms wall")
     print("parity, one pass from the same state (graph replays); A vs B: max|Δ| relative to max|B|:")
     for q in report["parity"]:
-        print(f"  {q['pair']:18} {q['dtype']:9} rows {q['rows']:>3}: max|Δ| {q['max_abs_diff']:.3e}, max|Δ|/max|B| "
+        print(f"  {q['pair']:24} {q['dtype']:9} rows {q['rows']:>3}: max|Δ| {q['max_abs_diff']:.3e}, max|Δ|/max|B| "
               f"{q['rel_diff']:.3e}, worst row cosine {q['worst_row_cosine']:.7f}, "
               f"bit-equal {100 * q['bit_equal_fraction']:.1f}%")
 

@@ -202,6 +202,26 @@ def test_float32_on_a_plain_cpu_keeps_torch() -> None:
     assert FusedOuroModel(model, splitk=_toy_settings(True))._linear is F.linear
 
 
+def test_winning_settings_take_only_shapes_faster_at_every_row_count() -> None:
+    """bench_linear.winning_settings reads a --sweep JSON (row counts as string keys) and keeps the
+    winners that beat cuBLAS at every row count, keyed as SPLITK_SETTINGS is."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_linear
+
+    from rlt_worker.kernels.splitk_gemv import SplitKConfig
+
+    def winner(n: int, k: int, us: dict[str, float], cublas: dict[str, float]) -> dict:
+        return {"out": n, "in": k, "config": {"block_n": 16, "block_k": 512, "splits": 2, "num_warps": 4,
+                                               "num_stages": 1, "dot": False}, "us": us, "cublas_us": cublas}
+
+    report = json.loads(json.dumps({"dtype": "torch.bfloat16", "winners": {
+        "o": winner(2048, 2048, {1: 5.0, 8: 6.0}, {1: 6.2, 8: 6.5}),
+        "down": winner(2048, 5632, {1: 9.0, 8: 11.0}, {1: 10.7, 8: 10.9}),  # loses at 8 rows
+    }}))
+    assert bench_linear.winning_settings(report) == {
+        (2048, 2048, torch.bfloat16): SplitKConfig(16, 512, 2, 4, 1, False)}
+
+
 # ---- GPU, compiled: Ouro-1.4B's packed shapes ----------------------------------------------------
 
 OURO_SHAPES = [(6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632)]
