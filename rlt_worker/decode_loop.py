@@ -247,7 +247,9 @@ class DecodeLoop:
         rows.depths[going_on] = 0
         rows.exited[going_on] = False
         device_slots = self.runner.embed_rows(rows.slots[going_on], rows.positions[going_on], rows.seeds[going_on])
-        self.runner.decode_cursors.exit_values[device_slots, EXIT_STATE] = INITIAL_EXIT_STATE
+        # index_fill_ takes the value as a kernel argument: `[slots, col] = value` copies it to the device
+        # from pageable memory first, which waits for the stream (a sync per boundary on CUDA).
+        self.runner.decode_cursors.exit_values[:, EXIT_STATE].index_fill_(0, device_slots, INITIAL_EXIT_STATE)
         self._stop_unless_completable(going_on)
 
     def _stop_unless_completable(self, indices: np.ndarray) -> None:
