@@ -141,8 +141,10 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or tb._interpretin
                                 reason="needs CUDA and TRITON_INTERPRET unset")
 
 
-def _captured_pass(model, backend, storage, tables, positions, state) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """One fused loop pass over the paged pool, warmed up (kernels compiled) and captured."""
+def _captured_pass(model, backend, storage, tables, positions, state) -> tuple[torch.cuda.CUDAGraph, torch.Tensor,
+                                                                            object]:
+    """One fused loop pass over the paged pool, warmed up (kernels compiled) and captured; with the
+    context, which the caller keeps alive as long as the graph (the graph reads its tensors)."""
     from rlt_worker.paged_context import PagedContext, PagedPlaneView
 
     view = PagedPlaneView(tables, positions, storage.block_size)
@@ -155,7 +157,7 @@ def _captured_pass(model, backend, storage, tables, positions, state) -> tuple[t
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), torch.inference_mode():
         out = model.loop(state, state, positions, ctx)
-    return graph, out
+    return graph, out, ctx
 
 
 @pytest.fixture(scope="module")
@@ -187,9 +189,12 @@ def test_gpu_pdl_pass_equals_plain_bit_for_bit_in_a_graph(synthetic_ouro, rows: 
         state = reference.model.norm(torch.randn(rows, reference.info.hidden_size, generator=gen, device=device,
                                                  dtype=torch.float32).to(dtype))
     # Both passes write the same K/V at the rows' last position: neither changes what the other reads.
-    graphs = [_captured_pass(FusedOuroModel(reference, launch), get_backend("triton", launch), storage, tables,
-                             positions, state) for launch in (PLAIN, pdl)]
-    (plain_graph, plain_out), (pdl_graph, pdl_out) = graphs
+    # The models and contexts stay referenced while their graphs replay: each graph holds raw pointers
+    # to their tensors (packed weights, RoPE tables, slot mappings), not references.
+    models = [FusedOuroModel(reference, launch) for launch in (PLAIN, pdl)]
+    captured = [_captured_pass(model, get_backend("triton", model.launch), storage, tables, positions, state)
+                for model in models]
+    (plain_graph, plain_out, plain_ctx), (pdl_graph, pdl_out, pdl_ctx) = captured
     plain_graph.replay()
     want = plain_out.clone()
     assert torch.isfinite(want).all()

@@ -1,0 +1,114 @@
+"""The decode attention kernel at Ouro-1.4B's shapes: its time per layer against the K/V bytes it reads.
+
+Run on the GPU host (~1 minute):
+
+    python scripts/bench_decode_attention.py [--rows 1,8,32] [--context 1024] [--json $OUT/attn.json]
+
+For each row count, `--layers` layers' caches (16 kv heads × 128, block 16, bf16, each row's
+blocks shuffled through the pool) are read back to back inside one CUDA graph, as a pass does,
+so each layer's K/V comes from HBM, not L2: the median of `--replays` replays divided by the
+layers is the time per layer, printed with the bandwidth it implies (K/V bytes of the rows'
+contexts / time). Variants: the heuristics' choice (`auto`: triton_backend._auto_splits and the
+default tile) and every (num_splits, tile) of --splits × --tiles. Each variant's output is checked
+against `auto`'s (bf16 tolerance) before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rlt_worker.attention import triton_backend as tb  # noqa: E402
+
+HEADS, HEAD_DIM, BLOCK_SIZE = 16, 128, 16
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default="1,8,32")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--replays", type=int, default=50)
+    p.add_argument("--splits", default="2,4,8,16,32")
+    p.add_argument("--tiles", default="16,32,64,128")
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+def time_per_layer(call, layers: int, replays: int) -> float:
+    """Median µs per layer of `call(layer)` for every layer, back to back in one CUDA graph."""
+    for layer in range(layers):  # warm-up: kernels compiled before capture
+        call(layer)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(layers):
+            call(layer)
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / layers)
+    return statistics.median(times)
+
+
+def bench_rows(args: argparse.Namespace, rows: int) -> list[dict]:
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    blocks = -(-args.context // BLOCK_SIZE)
+    gen = torch.Generator(device=device).manual_seed(rows)
+    pool = torch.randn(args.layers, 2, rows * blocks, BLOCK_SIZE, HEADS, HEAD_DIM, device=device, dtype=dtype,
+                       generator=gen)
+    tables = torch.randperm(rows * blocks, device=device, generator=gen).to(torch.int32).view(rows, blocks)
+    lens = torch.full((rows,), args.context, dtype=torch.int32, device=device)
+    q = torch.randn(rows, HEADS, HEAD_DIM, device=device, dtype=dtype, generator=gen)
+    scale = HEAD_DIM ** -0.5
+    kv_bytes = 2 * rows * args.context * HEADS * HEAD_DIM * dtype.itemsize
+
+    def attend(layer: int, **overrides) -> torch.Tensor:
+        return tb.paged_attention(q, pool[layer, 0], pool[layer, 1], tables, lens, scale, **overrides)
+
+    want = attend(0)
+    auto_splits = tb._auto_splits(rows, HEADS, blocks * BLOCK_SIZE, device)
+    variants = [("auto", {})] + [(f"splits {s} tile {t}", dict(num_splits=s, tile=t))
+                                 for s, t in itertools.product(ints(args.splits), ints(args.tiles))]
+    results = []
+    for name, overrides in variants:
+        got = attend(0, **overrides)
+        torch.testing.assert_close(got, want, rtol=2.0**-7, atol=2e-3)
+        us = time_per_layer(lambda layer, o=overrides: attend(layer, **o), args.layers, args.replays)
+        results.append({"rows": rows, "variant": name, **overrides, "us": us, "gb_per_s": kv_bytes / (us * 1e3)})
+    best = min(results, key=lambda r: r["us"])
+    auto = results[0]
+    print(f"rows {rows}, context {args.context}: auto (splits {auto_splits}) {auto['us']:.2f} µs "
+          f"({auto['gb_per_s']:.0f} GB/s); best {best['variant']} {best['us']:.2f} µs ({best['gb_per_s']:.0f} GB/s)")
+    for r in sorted(results, key=lambda r: r["us"])[:6]:
+        print(f"    {r['variant']:>20}: {r['us']:7.2f} µs  {r['gb_per_s']:6.0f} GB/s")
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_decode_attention times CUDA graphs: run it on a CUDA GPU")
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "context": args.context,
+              "layers": args.layers, "results": [r for rows in ints(args.rows) for r in bench_rows(args, rows)]}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
