@@ -7,10 +7,10 @@
                               (ExitTest.PLANNED: the engine's depths, compared on the host, no readback)
                               refill: their boundary work now; no_refill: they stop (EXITED)
     boundary work of rows E   [FINALIZE (LAST_EXITED, exit depth < D)] → CODA: output i of each row
-                              → one readback of the tokens: a stop token or output max_tokens − 1
-                              ends a row (PLANNED: no readback, only max_tokens − 1) → the others:
-                              PRELUDE of the token at position + 1 (its depth 0, output i + 1),
-                              which joins the next pass
+                              → output max_tokens − 1 ends a row → the others: PRELUDE of the
+                              token at position + 1 (its depth 0, output i + 1), which joins the
+                              next pass; the tokens stay on the device (a device test reads them
+                              back with the next pass's exits: a stop token ends its row there)
 
 Every draw is the host path's: output i's CODA uses Philox index i under the request's seed, and
 Huginn's state init of position p index p; the exit tests compute what the host policies computed.
@@ -38,10 +38,11 @@ replay a graph of their own (one launch, no eager op); KL and LATENT, and every 
 pass, run as eager torch ops on the state the pass left. The boundary's work is eager (CODA: a graph
 when one fits):
 
-    per pass       1 upload (slots, positions, depths)        1 readback (exits)
+    per pass       1 upload (slots, positions, depths)        1 readback (exits, and the tokens of the
+                                                              boundaries before it)
                    1 graph replay + 1 exit-test replay (Ouro, graphs on), or the pass's and the test's eager ops
-    per boundary   ≤ 3 uploads (FINALIZE, CODA, PRELUDE)      1 readback (tokens)
-                   (PLANNED: the same uploads, no readback at all)
+                   (PLANNED: the same, no readback)
+    per boundary   ≤ 3 uploads (FINALIZE, CODA, PRELUDE)      no readback
     per plan       + 2 uploads (the rows' exit-test columns, the exit states of the rows reported RECURRENT)
 """
 
@@ -229,7 +230,8 @@ class DecodeLoop:
         self.runner.finalize_rows(slots[shallow], positions[shallow], depths[shallow])
         tokens, logprobs = self.runner.sample_rows(slots, positions, rows.seeds[exited].view(np.int64),
                                                    rows.indices[exited])
-        tokens, stopped = self.exits.stop_tokens(self.runner, tokens, [rows.stop_ids[r] for r in exited.tolist()])
+        tokens, stopped = self.exits.stop_tokens(self.runner, tokens, [rows.stop_ids[r] for r in exited.tolist()],
+                                                 exited)
         results.add(Stage.DECODE, rows.keys[exited], rows.generations[exited], depths=depths, tokens=tokens,
                     logprobs=logprobs)
         ends = stopped | self._holds_last_output(exited)
@@ -286,12 +288,27 @@ class DecodeLoop:
         cursors.ended[slots], cursors.is_set[slots] = rows.finished, True  # exit states: in exit_values already
 
 
+@dataclass
+class _SampledTokens:
+    """A boundary's tokens, on the device until the next pass's readback checks them for stop tokens."""
+
+    rows: np.ndarray  # the batch's rows that sampled them
+    tokens: torch.Tensor
+    stop_ids: list[frozenset[int]]
+
+
 class DeviceExits:
-    """Exits decided by a device test (OURO*, KL, LATENT) after each pass, read back once per pass; a
-    boundary reads its tokens back too, so a stop token ends its row at once."""
+    """Exits decided by a device test (OURO*, KL, LATENT) after each pass, read back once per pass.
+
+    A boundary's tokens ride the next pass's readback instead of one of their own, so CODA, PRELUDE
+    and that pass queue without a sync between them (one sync per pass, not two per token). A stop
+    token then ends its row at that readback: the row has run its next position's PRELUDE and one
+    loop, whose work is dropped, and samples nothing after the stop token, since sampling comes
+    only at a boundary and a boundary only after a readback."""
 
     def __init__(self, exit_step: EagerExitStep) -> None:
         self.exit_step = exit_step  # eager, or graphs after graph-replayed passes (ModelRunner.exit_step)
+        self._unchecked: list[_SampledTokens] = []
 
     def knows_exit(self, output_indices: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Whether each row may loop the position of its output (a test decides every exit: always)."""
@@ -303,14 +320,27 @@ class DeviceExits:
 
     def after_pass(self, runner: ModelRunner, columns: PassColumns, width: int, before: torch.Tensor | None,
                    rows: _Rows, looping: np.ndarray) -> np.ndarray:
-        """bool [len(looping)]: which of the pass's rows exited (the pass's readback)."""
-        return runner.read_back(self.exit_step.after_pass(columns, width, before))
+        """bool [len(looping)]: which of the pass's rows exited, read back with the tokens sampled
+        since the last readback; a row that sampled a stop token ends here (not an exit)."""
+        flags = self.exit_step.after_pass(columns, width, before)
+        sampled, self._unchecked = self._unchecked, []
+        exited, *tokens = runner.read_back(flags, *(s.tokens for s in sampled))
+        if not sampled:
+            return exited
+        tokens = np.concatenate(tokens).tolist()
+        stop_ids = [ids for s in sampled for ids in s.stop_ids]
+        is_stop = np.array([t in ids for t, ids in zip(tokens, stop_ids, strict=True)], dtype=bool)
+        stopped = np.concatenate([s.rows for s in sampled])[is_stop]
+        rows.finished[stopped] = True
+        rows.running[stopped] = False
+        return exited & ~np.isin(looping, stopped)
 
     def stop_tokens(self, runner: ModelRunner, tokens: torch.Tensor,
-                    stop_ids: list[frozenset[int]]) -> tuple[np.ndarray, np.ndarray]:
-        """(the tokens for the result, bool: which are stop tokens), read back: the rows they end stop now."""
-        host = runner.read_back(tokens)
-        return host, np.array([t in ids for t, ids in zip(host.tolist(), stop_ids, strict=True)], dtype=bool)
+                    stop_ids: list[frozenset[int]], sampled_rows: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+        """(the tokens, on the device, for the result; no row stops now): the next pass's readback
+        checks them."""
+        self._unchecked.append(_SampledTokens(sampled_rows, tokens, stop_ids))
+        return tokens, np.zeros(len(stop_ids), dtype=bool)
 
 
 class PlannedExits:
@@ -346,6 +376,6 @@ class PlannedExits:
         return rows.depths[looping] >= self._depths[entries]
 
     def stop_tokens(self, runner: ModelRunner, tokens: torch.Tensor,
-                    stop_ids: list[frozenset[int]]) -> tuple[torch.Tensor, np.ndarray]:
+                    stop_ids: list[frozenset[int]], sampled_rows: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
         """(the tokens, on the device, for the result; no row stops: nothing is read back)."""
         return tokens, np.zeros(len(stop_ids), dtype=bool)

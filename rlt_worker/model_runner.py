@@ -357,10 +357,17 @@ class ModelRunner:
         source = torch.from_numpy(host)
         static.copy_(source.pin_memory() if self._pin else source, non_blocking=True)
 
-    def read_back(self, values: torch.Tensor) -> np.ndarray:
-        """A device tensor's values on the host: waits for the work queued before it (the decode loop's
-        readbacks, which choose its next rows)."""
-        return values.cpu().numpy()
+    def read_back(self, *values: torch.Tensor) -> list[np.ndarray]:
+        """Device tensors' values on the host after one wait for the work queued before them (the
+        decode loop's readbacks, which choose its next rows). On CUDA each is a non-blocking copy into
+        pinned memory, then one stream synchronize: several tensors cost one round trip."""
+        if not self._pin:
+            return [v.cpu().numpy() for v in values]
+        hosts = [torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for v in values]
+        for host, value in zip(hosts, values, strict=True):
+            host.copy_(value, non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        return [host.numpy() for host in hosts]
 
     def _loop_plane(self, depths: torch.Tensor) -> torch.Tensor:
         return depths - 1 if self.config.kv_layout == LAST_EXITED else torch.zeros_like(depths)

@@ -3,9 +3,10 @@
 Structure, never time: every host→device copy goes through the runner's `upload` / `upload_into`
 and every readback of the decode loop through its `read_back`, so wrapping those three counts them.
 Per loop pass one upload (into the graph's static inputs when a graph runs it) and one readback
-(its exits); per boundary one readback (its tokens) and at most three uploads (FINALIZE, CODA,
-PRELUDE; Huginn's random state init adds its seeds); per plan besides at most two (the rows'
-exit-test columns, the exit states of the rows it reports). The outputs stay the dense reference's.
+(its exits, with the tokens the boundaries before it sampled); per boundary no readback and at most
+three uploads (FINALIZE, CODA, PRELUDE; Huginn's random state init adds its seeds); per plan besides
+at most two (the rows' exit-test columns, the exit states of the rows it reports). The outputs stay
+the dense reference's.
 """
 
 from __future__ import annotations
@@ -86,9 +87,9 @@ CASES = [("toy-ouro", "ouro", "last_exited", True), ("toy-ouro", "ouro", "last_e
 def test_one_upload_and_one_readback_per_pass(model: str, mode: str, kv_layout: str, graphs: bool,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Plans of 4·D passes, with (emulated) pass and CODA graphs or eagerly: every pass uploads once
-    and reads back once, every boundary that samples reads back once and uploads at most three
-    times (two in the shared layout: no FINALIZE; one more for Huginn's random state init), and each
-    plan adds at most two uploads."""
+    and reads back once, every boundary reads nothing back and uploads at most three times (two in
+    the shared layout: no FINALIZE; one more for Huginn's random state init), and each plan adds at
+    most two uploads."""
     depth = DEPTH[model]
     jobs = make_workload(random.Random(f"host-work-{mode}"), 6, depth=depth, exit_mode=mode, threshold=0.4,
                          sampling=("greedy", "top_p"), max_prompt_len=8, max_tokens=9, vary_limits=True, spread=1)
@@ -106,10 +107,8 @@ def test_one_upload_and_one_readback_per_pass(model: str, mode: str, kv_layout: 
 def assert_host_work(work: HostWork, most_boundary_uploads: int) -> None:
     assert len(work.passes) > len(work.plans) > 0
     assert all((p.uploads, p.readbacks) == (1, 1) for p in work.passes)
-    sampling = [b for b in work.boundaries if b.readbacks]
-    assert len(sampling) >= len(work.plans)
-    assert all(b.readbacks == 1 and 1 <= b.uploads <= most_boundary_uploads for b in sampling)
-    assert all((b.uploads, b.readbacks) == (0, 0) for b in work.boundaries if not b.readbacks)
+    assert all(b.readbacks == 0 and b.uploads <= most_boundary_uploads for b in work.boundaries)
+    assert sum(1 for b in work.boundaries if b.uploads) >= len(work.plans)  # boundaries that sampled
     assert all(p.uploads <= 2 and not p.readbacks for p in work.plans)  # outside its passes and boundaries
 
 
