@@ -11,6 +11,8 @@ Defaults: synthetic-ouro-1.4b, rows 1 and 32, every row at position context−1 
 - kernels per pass: CUDA kernels of one eager pass under torch.profiler (the kernels the graph
   holds), and per decoder layer;
 - GPU time per pass: CUDA events around each of `--replays` graph replays, median (p10, p90);
+- host time per launch: `graph.replay()`'s wall time with the GPU idle before it, median (the
+  bubble a pass costs after a readback, as in ouro's decode loop, before its kernels start);
 - CODA (LM head + sampling, greedy and Philox sampling) per row count: graph replay GPU time,
   the same function's eager wall time, its kernels;
 - parity: one pass of both paths from the same state over the same KV pool, per dtype
@@ -166,6 +168,21 @@ def time_replays(graph, replays: int, cuda: bool) -> list[float]:
     return [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
 
 
+def launch_host_ms(graph, replays: int, cuda: bool) -> float | None:
+    """Median host milliseconds of one `graph.replay()` call started on an idle GPU: what a pass costs
+    the host after a readback (ouro's decode loop) before the GPU has work again."""
+    if not cuda:
+        return None
+    times = []
+    for _ in range(replays):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def count_kernels(fn, cuda: bool) -> tuple[int | None, dict[str, list[float]]]:
     """CUDA kernels one call of fn launches (torch.profiler): per name, [count, summed GPU µs]."""
     if not cuda:
@@ -264,12 +281,13 @@ def main(args: argparse.Namespace) -> dict:
                 (bucket_rows, width), graph = setup.graph(name, rows, args.context)
                 kernels, names = count_kernels(lambda r=runner, br=bucket_rows, w=width: r._graphs._pass(br, w), cuda)
                 times = time_replays(graph, args.replays, cuda)
+                launch_ms = launch_host_ms(graph, max(10, args.replays // 4), cuda)
                 q = statistics.quantiles(times, n=10) if len(times) >= 10 else [min(times)] * 9
                 report["passes"].append({
                     "path": name, "dtype": dtype_name, "rows": rows, "bucket": f"{bucket_rows}x{width}",
                     "kernels": kernels, "kernels_per_layer": None if kernels is None else round(kernels / layers, 2),
                     "gpu_ms_median": statistics.median(times), "gpu_ms_p10": q[0], "gpu_ms_p90": q[-1],
-                    "replays": len(times), "bytes_floor_ms": floor_ms,
+                    "replays": len(times), "bytes_floor_ms": floor_ms, "launch_host_ms_median": launch_ms,
                     "kernel_us_sum": round(sum(us for _, us in names.values()), 1),
                     "top_kernels": sorted(([n, c, round(us, 1)] for n, (c, us) in names.items()),
                                           key=lambda row: -row[2])[: args.top] if args.top else [],
@@ -298,6 +316,8 @@ def print_report(report: dict, hbm_tbps: float) -> None:
               f"{p['bytes_floor_ms']:>15.3f}")
         if p.get("kernel_us_sum") is not None and p["kernels"]:
             print(f"        eager kernels' own GPU time: {p['kernel_us_sum'] / 1e3:.3f} ms")
+        if p.get("launch_host_ms_median") is not None:
+            print(f"        host time of one replay() on an idle GPU: {p['launch_host_ms_median']:.3f} ms")
         for name, count, us in p["top_kernels"]:
             print(f"        {count:5d} {us:9.1f} µs  {name[:100]}")
     print(f"(bytes floor: loop weights + context K/V at {hbm_tbps} TB/s)")
