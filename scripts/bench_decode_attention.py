@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_linear import time_in_graph  # noqa: E402  (scripts/, this script's folder)
+
 from rlt_worker.attention import triton_backend as tb  # noqa: E402
 
 HEADS, HEAD_DIM, BLOCK_SIZE = 16, 128, 16
@@ -44,26 +45,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",")]
-
-
-def time_per_layer(call, layers: int, replays: int) -> float:
-    """Median µs per layer of `call(layer)` for every layer, back to back in one CUDA graph."""
-    for layer in range(layers):  # warm-up: kernels compiled before capture
-        call(layer)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in range(layers):
-            call(layer)
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / layers)
-    return statistics.median(times)
 
 
 def bench_rows(args: argparse.Namespace, rows: int) -> list[dict]:
@@ -89,7 +70,11 @@ def bench_rows(args: argparse.Namespace, rows: int) -> list[dict]:
     for name, overrides in variants:
         got = attend(0, **overrides)
         torch.testing.assert_close(got, want, rtol=2.0**-7, atol=2e-3)
-        us = time_per_layer(lambda layer, o=overrides: attend(layer, **o), args.layers, args.replays)
+        def run(o: dict = overrides) -> None:
+            for layer in range(args.layers):
+                attend(layer, **o)
+
+        us = time_in_graph(run, args.layers, args.replays)
         results.append({"rows": rows, "variant": name, **overrides, "us": us, "gb_per_s": kv_bytes / (us * 1e3)})
     best = min(results, key=lambda r: r["us"])
     auto = results[0]

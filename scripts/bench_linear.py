@@ -95,6 +95,11 @@ def time_per_gemm(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], weig
     if x.device.type != "cuda":
         run()
         return float("nan")
+    return time_in_graph(run, len(weights), replays)
+
+
+def time_in_graph(run: Callable[[], None], calls: int, replays: int) -> float:
+    """Median µs per call: `run` makes `calls` calls back to back, captured once in a CUDA graph and replayed."""
     run()  # warm-up: cuBLAS handles and workspaces exist, Triton kernels are compiled, before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -107,7 +112,7 @@ def time_per_gemm(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], weig
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / len(weights))
+        times.append(start.elapsed_time(end) * 1000.0 / calls)
     return statistics.median(times)
 
 

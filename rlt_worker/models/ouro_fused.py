@@ -24,8 +24,9 @@ state_dict, under `reference.`) are unchanged.
 The four GEMMs go through one linear strategy chosen at construction (`linear_choice`): F.linear
 (cuBLAS) for every weight, unless `splitk` names a tile setting for a weight's (out, in, dtype), in
 which case a SplitKGemv (rlt_worker/kernels/splitk_gemv.py) serves those weights for passes of at
-most `splitk_max_rows` rows, F.linear the rest. SPLITK_SETTINGS, the default, is empty
-until the H200 sweep (`scripts/bench_linear.py --sweep`) shows which shapes split-K wins.
+most `splitk_max_rows` rows, F.linear the rest. SPLITK_SETTINGS, the default, is empty: on the
+H200 sweep (`scripts/bench_linear.py --sweep`, docs/benchmarks.md) only `down` beat cuBLAS alone,
+and the pass was slower with it.
 
 The kernels round as the torch modules do (rlt_worker/kernels/fused_ops.py), but the mean of
 squares and the packed GEMMs reduce in other orders, so results equal the reference's up to the
@@ -58,7 +59,8 @@ Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [M, K], weig
 WeightKey = tuple[int, int, torch.dtype]  # (out_features, in_features, dtype) of a weight
 
 # Split-K tile settings by weight, as measured on one H200 (scripts/bench_linear.py --sweep, which
-# prints these entries); a weight not listed keeps cuBLAS. Empty: split-K is off.
+# prints these entries); a weight not listed keeps cuBLAS. Empty: split-K is off (no setting made a
+# pass faster at 7d64e4e: docs/benchmarks.md).
 SPLITK_SETTINGS: Mapping[WeightKey, SplitKConfig] = {}
 # Passes of at most this many rows use the split-K settings (the kernel's rows per program).
 SPLITK_MAX_ROWS = 8
