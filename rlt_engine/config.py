@@ -61,6 +61,12 @@ class EngineConfig:
                                                        "decodes about as long as one decode step; with nothing "
                                                        "decoding a step takes max_num_batched_tokens (0 = no "
                                                        "cap: always max_num_batched_tokens)")
+    # Off until measured: the fixed cap costs throughput where decode steps are long (c = 128 on the
+    # H200: fixed 1,898 tok/s capped, 2,249 uncapped), and a cap per decoding row keeps the stall a
+    # prompt step adds at about one decode step's length at every c (docs/benchmarks.md).
+    prefill_tokens_per_decoding_row: int = _opt(0, "raise the cap of max_prefill_tokens_while_decoding to this many "
+                                                   "prompt tokens per decoding request when that is more (0 = a "
+                                                   "fixed cap)")
     preemption: str = _opt("swap", "when KV runs out: swap (K/V to host memory) or recompute (replay later)")
     max_bypasses: int = _opt(8, "times a waiting request may be passed over by later ones under priority")
     # Execution
@@ -119,6 +125,7 @@ class EngineConfig:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("prefill_chunk_size", self.prefill_chunk_size)
         _positive("max_prefill_tokens_while_decoding", self.max_prefill_tokens_while_decoding, minimum=0)
+        _positive("prefill_tokens_per_decoding_row", self.prefill_tokens_per_decoding_row, minimum=0)
         if self.max_plans_in_flight not in (0, 1, 2):
             raise ValueError(f"max_plans_in_flight must be 0 (auto), 1 (synchronous) or 2 (pipelined), "
                              f"got {self.max_plans_in_flight!r}")

@@ -7,7 +7,12 @@ decodes bounds that stall; with nothing decoding nobody waits, and a lone prompt
 (its TTFT unchanged).
 
     full:    prompt tokens of a step ≤ max_num_batched_tokens − the step's decode rows
-    capped:  the same, and ≤ cap while a request on the worker is past its prompt
+    capped:  the same, and ≤ cap while a request on the worker is past its prompt, where cap =
+             max(max_prefill_tokens_while_decoding, prefill_tokens_per_decoding_row × those requests)
+
+The per-row term (off by default, 0) scales the cap with the decode work a prompt step delays: a
+decode step of c rows takes longer as c grows, so a fixed cap that keeps the stall near one decode
+step at c = 32 is needlessly tight at c = 128.
 
 Neither starves anyone: decode rows are scheduled first and never counted against the cap, and the
 first running prompt gets min(cap, prefill_chunk_size, what is left of it) tokens every step (the
@@ -39,19 +44,22 @@ class FullBudget:
 
 
 class DecodeAwareBudget:
-    """At most `cap` prompt tokens per step while a request on the worker decodes (module docstring)."""
+    """At most max(`cap`, `per_decoding_row` × decoding requests) prompt tokens per step while a
+    request on the worker decodes (module docstring)."""
 
-    def __init__(self, cap: int) -> None:
-        self.cap = cap
+    def __init__(self, cap: int, per_decoding_row: int) -> None:
+        self.cap, self.per_decoding_row = cap, per_decoding_row
 
     def tokens(self, running: list[Request], budget: int) -> int:
-        if any(r.phase != Phase.PREFILL for r in running):
-            return min(budget, self.cap)
+        decoding = sum(1 for r in running if r.phase != Phase.PREFILL)
+        if decoding:
+            return min(budget, max(self.cap, self.per_decoding_row * decoding))
         return budget
 
 
-def make_prefill_budget(max_prefill_tokens_while_decoding: int) -> PrefillBudget:
+def make_prefill_budget(max_prefill_tokens_while_decoding: int, prefill_tokens_per_decoding_row: int
+                        ) -> PrefillBudget:
     """0: today's rule (FullBudget); else the decode-aware cap."""
     if max_prefill_tokens_while_decoding:
-        return DecodeAwareBudget(max_prefill_tokens_while_decoding)
+        return DecodeAwareBudget(max_prefill_tokens_while_decoding, prefill_tokens_per_decoding_row)
     return FullBudget()

@@ -78,6 +78,7 @@ class SchedulerConfig:
     max_plans_in_flight: int = 1  # 2: a worker's next plan is built before its last one's result is read
     mixed_batches: bool = False  # prompt chunks ride the loop passes of the step's decode rows
     max_prefill_tokens_while_decoding: int = 0  # prompt tokens per step while a request decodes (0: no cap)
+    prefill_tokens_per_decoding_row: int = 0  # the cap grows to this × decoding requests (0: a fixed cap)
 
 
 @dataclass
@@ -103,7 +104,8 @@ class Scheduler(SchedulerFaults):
         self.rng = rng
         self.preemption = make_preemption(config.preemption)
         self.mixing = make_prefill_mixing(config.mixed_batches)
-        self.prefill_budget = make_prefill_budget(config.max_prefill_tokens_while_decoding)
+        self.prefill_budget = make_prefill_budget(config.max_prefill_tokens_while_decoding,
+                                                  config.prefill_tokens_per_decoding_row)
         exit_test = policy.exit_test
         if exit_test is None and config.loops_per_plan > 1:
             # Several passes per plan: planned positions loop in the worker's decode loop too, so a row

@@ -51,11 +51,11 @@ def decode_keys(plan: ExecutionPlan) -> set[int]:
     return rows - prompting
 
 
-def decoding_scheduler(cap: int, chunk: int, num_decoding: int = 3) -> Scheduler:
+def decoding_scheduler(cap: int, chunk: int, num_decoding: int = 3, per_row: int = 0) -> Scheduler:
     """A scheduler (D = 4, one loop per plan, 64 batched tokens) with `num_decoding` requests of
     12-token prompts past their prompt and far from done."""
     scheduler = make_scheduler(max_prefill_tokens_while_decoding=cap, prefill_chunk_size=chunk, num_blocks=512,
-                               max_num_seqs=6)
+                               max_num_seqs=6, prefill_tokens_per_decoding_row=per_row)
     requests = add_requests(scheduler, num_decoding, prompt_len=12, max_tokens=60, prefix="d")
     while any(r.num_outputs == 0 for r in requests):
         run_step(scheduler)
@@ -86,6 +86,17 @@ def test_cap_holds_while_decoding_and_decode_rows_keep_their_place(cap: int, chu
         if all(r.num_prefilled == r.prompt_len for r in late):
             break
     assert first_token_step is not None and first_token_step <= math.ceil(40 / min(cap, chunk))
+
+
+@pytest.mark.parametrize(("per_row", "num_decoding", "expected"), [(4, 3, 12), (2, 3, 8), (4, 1, 8)],
+                         ids=["rows-raise-the-cap", "cap-is-the-floor", "one-row"])
+def test_a_cap_per_decoding_row(per_row: int, num_decoding: int, expected: int) -> None:
+    """prefill_tokens_per_decoding_row: the cap is max(cap, per_row × decoding requests), with the
+    arriving prompts not counted: cap 8, chunk 16, a 40-token prompt arriving."""
+    scheduler = decoding_scheduler(cap=8, chunk=16, num_decoding=num_decoding, per_row=per_row)
+    (late,) = add_requests(scheduler, 1, prompt_len=40, max_tokens=4, prefix="p")
+    assert prompt_tokens(run_step(scheduler)) == expected
+    assert late.num_prefilled == expected
 
 
 def test_full_budget_when_nothing_decodes() -> None:
@@ -121,6 +132,12 @@ def test_option_and_flag() -> None:
     assert "--max-prefill-tokens-while-decoding" in serve.format_help()
     assert parse_args([]).max_prefill_tokens_while_decoding is None  # the bench: the engine's default
     assert parse_args(["--max-prefill-tokens-while-decoding", "0"]).max_prefill_tokens_while_decoding == 0
+    assert EngineConfig().prefill_tokens_per_decoding_row == 0
+    with pytest.raises(ValueError, match="prefill_tokens_per_decoding_row"):
+        EngineConfig(prefill_tokens_per_decoding_row=-1)
+    assert engine_config(serve.parse_args(["--prefill-tokens-per-decoding-row", "16"])) \
+        .prefill_tokens_per_decoding_row == 16
+    assert parse_args(["--prefill-tokens-per-decoding-row", "16"]).prefill_tokens_per_decoding_row == 16
 
 
 THRESHOLDS = {"fixed": None, "trace": None, "ouro": 0.6}

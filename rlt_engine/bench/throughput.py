@@ -482,7 +482,7 @@ class Grid:
                        loops_per_plan=a.loops_per_plan, enable_prefix_caching=mode != "shared_prefix_uncached",
                        max_plans_in_flight=a.max_plans_in_flight, mixed_batches=mode.endswith(MIXED))
         for flag in ("cuda_graphs", "cuda_graph_prefill", "fused_layers", "launch_pdl",
-                     "max_prefill_tokens_while_decoding"):  # None: the engine's default
+                     "max_prefill_tokens_while_decoding", "prefill_tokens_per_decoding_row"):  # None: the engine's
             if getattr(a, flag) is not None:
                 options[flag] = getattr(a, flag)
         if mode.endswith(UNCAPPED):
@@ -604,6 +604,7 @@ class Grid:
                 "startup_s": startup_s, "num_blocks": kv.num_blocks, "num_planes": kv.num_planes, "depth": self.depth,
                 "mixed_batches": engine.config.mixed_batches,
                 "max_prefill_tokens_while_decoding": engine.config.max_prefill_tokens_while_decoding,
+                "prefill_tokens_per_decoding_row": engine.config.prefill_tokens_per_decoding_row,
             }
             reference = self.references.get(_engine_exit(exit_mode))
             if reference is not None and a.dtype != self.gate_dtype:
@@ -945,6 +946,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None,
                    help="prompt tokens per step while a request decodes (default: the engine's; the *_uncapped "
                         "workloads run with 0, no cap)")
+    p.add_argument("--prefill-tokens-per-decoding-row", type=int, default=None,
+                   help="raise the prefill cap to this many prompt tokens per decoding request (default: the "
+                        "engine's, 0)")
     p.add_argument("--loops-per-plan", type=int, default=0, help="0 = the engine's default (4·D on CUDA, 1 on CPU)")
     p.add_argument("--max-plans-in-flight", type=int, default=0, choices=(0, 1, 2),
                    help="2: pipelined plans, 1: synchronous, 0 = the engine's default (2 on CUDA, 1 on CPU)")
