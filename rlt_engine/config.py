@@ -61,9 +61,9 @@ class EngineConfig:
                                                        "decodes about as long as one decode step; with nothing "
                                                        "decoding a step takes max_num_batched_tokens (0 = no "
                                                        "cap: always max_num_batched_tokens)")
-    # Off until measured: the fixed cap costs throughput where decode steps are long (c = 128 on the
-    # H200: fixed 1,898 tok/s capped, 2,249 uncapped), and a cap per decoding row keeps the stall a
-    # prompt step adds at about one decode step's length at every c (docs/benchmarks.md).
+    # Off until measured: the fixed cap likely costs throughput where decode steps are long (c = 128
+    # on the H200, fixed: 1,898 tok/s capped at 2a2aa20, 2,249 before the cap at 45a08d0), and a cap
+    # per decoding row keeps the stall a prompt step adds near one decode step at every c.
     prefill_tokens_per_decoding_row: int = _opt(0, "raise the cap of max_prefill_tokens_while_decoding to this many "
                                                    "prompt tokens per decoding request when that is more (0 = a "
                                                    "fixed cap)")
