@@ -230,11 +230,10 @@ class DecodeLoop:
         self.runner.finalize_rows(slots[shallow], positions[shallow], depths[shallow])
         tokens, logprobs = self.runner.sample_rows(slots, positions, rows.seeds[exited].view(np.int64),
                                                    rows.indices[exited])
-        tokens, stopped = self.exits.stop_tokens(self.runner, tokens, [rows.stop_ids[r] for r in exited.tolist()],
-                                                 exited)
+        self.exits.sampled(rows, exited, tokens)
         results.add(Stage.DECODE, rows.keys[exited], rows.generations[exited], depths=depths, tokens=tokens,
                     logprobs=logprobs)
-        ends = stopped | self._holds_last_output(exited)
+        ends = self._holds_last_output(exited)  # stop tokens: where the exits strategy reads them (sampled)
         rows.finished[exited[ends]] = True
         rows.running[exited[ends]] = False
         self._next_position(exited[~ends])
@@ -335,12 +334,9 @@ class DeviceExits:
         rows.running[stopped] = False
         return exited & ~np.isin(looping, stopped)
 
-    def stop_tokens(self, runner: ModelRunner, tokens: torch.Tensor,
-                    stop_ids: list[frozenset[int]], sampled_rows: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
-        """(the tokens, on the device, for the result; no row stops now): the next pass's readback
-        checks them."""
-        self._unchecked.append(_SampledTokens(sampled_rows, tokens, stop_ids))
-        return tokens, np.zeros(len(stop_ids), dtype=bool)
+    def sampled(self, rows: _Rows, sampling: np.ndarray, tokens: torch.Tensor) -> None:
+        """A boundary's tokens (on the device): the next pass's readback checks them for stop tokens."""
+        self._unchecked.append(_SampledTokens(sampling, tokens, [rows.stop_ids[r] for r in sampling.tolist()]))
 
 
 class PlannedExits:
@@ -375,7 +371,5 @@ class PlannedExits:
         _, entries = self._entries(rows.indices[looping], looping)
         return rows.depths[looping] >= self._depths[entries]
 
-    def stop_tokens(self, runner: ModelRunner, tokens: torch.Tensor,
-                    stop_ids: list[frozenset[int]], sampled_rows: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
-        """(the tokens, on the device, for the result; no row stops: nothing is read back)."""
-        return tokens, np.zeros(len(stop_ids), dtype=bool)
+    def sampled(self, rows: _Rows, sampling: np.ndarray, tokens: torch.Tensor) -> None:
+        """Nothing: a stop token does not end a planned row mid-plan (the class docstring)."""
