@@ -10,7 +10,7 @@ decodes bounds that stall; with nothing decoding nobody waits, and a lone prompt
     capped:  the same, and ≤ cap while a request on the worker is past its prompt, where cap =
              max(max_prefill_tokens_while_decoding, prefill_tokens_per_decoding_row × those requests)
 
-The per-row term (off by default, 0) scales the cap with the decode work a prompt step delays: a
+The per-row term (default 16; 0 turns it off) scales the cap with the decode work a prompt step delays: a
 decode step of c rows takes longer as c grows, so a fixed cap that keeps the stall near one decode
 step at c = 32 is needlessly tight at c = 128.
 

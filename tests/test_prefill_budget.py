@@ -132,12 +132,12 @@ def test_option_and_flag() -> None:
     assert "--max-prefill-tokens-while-decoding" in serve.format_help()
     assert parse_args([]).max_prefill_tokens_while_decoding is None  # the bench: the engine's default
     assert parse_args(["--max-prefill-tokens-while-decoding", "0"]).max_prefill_tokens_while_decoding == 0
-    assert EngineConfig().prefill_tokens_per_decoding_row == 0
+    assert EngineConfig().prefill_tokens_per_decoding_row == 16
     with pytest.raises(ValueError, match="prefill_tokens_per_decoding_row"):
         EngineConfig(prefill_tokens_per_decoding_row=-1)
-    assert engine_config(serve.parse_args(["--prefill-tokens-per-decoding-row", "16"])) \
-        .prefill_tokens_per_decoding_row == 16
-    assert parse_args(["--prefill-tokens-per-decoding-row", "16"]).prefill_tokens_per_decoding_row == 16
+    assert engine_config(serve.parse_args(["--prefill-tokens-per-decoding-row", "0"])) \
+        .prefill_tokens_per_decoding_row == 0
+    assert parse_args(["--prefill-tokens-per-decoding-row", "32"]).prefill_tokens_per_decoding_row == 32
 
 
 THRESHOLDS = {"fixed": None, "trace": None, "ouro": 0.6}
@@ -152,7 +152,8 @@ def jobs_for(mode: str) -> list[Job]:
 
 
 def run_jobs(mode: str, jobs: list[Job], cap: int, emulate_graphs: bool = False, **options: object) -> Driver:
-    settings = dict(exit_mode=mode, max_num_seqs=4, prefill_chunk_size=8, max_prefill_tokens_while_decoding=cap)
+    settings = dict(exit_mode=mode, max_num_seqs=4, prefill_chunk_size=8, max_prefill_tokens_while_decoding=cap,
+                    prefill_tokens_per_decoding_row=0)  # the fixed cap (the per-row term has its own test)
     with make_llm("toy-ouro", **(settings | options)) as llm:
         runner = llm.engine.executor._worker.runner
         if emulate_graphs:
