@@ -1,0 +1,99 @@
+"""Where one request's decode time goes at c = 1, ouro against trace: GPU busy against idle (the profiler's
+kernel intervals: their union, and the gaps between them over 20 µs) and the host's Python (cProfile).
+
+    python scripts/profile_ouro_gap.py OUT_DIR     # CUDA; writes OUT_DIR/ouro_gap.json
+
+Each mode runs two warm-up requests, one timed, one under the profiler and one under cProfile
+(1,024-token prompt, 128 outputs, greedy; ouro at the bench's default threshold).
+"""
+
+from __future__ import annotations
+
+import cProfile
+import gc
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from rlt_engine.bench.throughput import OURO_THRESHOLD, Workload, make_jobs
+from rlt_engine.llm import LLM
+
+GAP_US = 20.0
+
+
+def run_request(engine, job, request_id: str) -> tuple[int, float]:
+    """(tokens, ms from the first token to the last) of one request run alone."""
+    engine.add_request(request_id, job.prompt, job.params)
+    tokens, first = 0, None
+    while engine.has_unfinished_requests():
+        tokens = max([tokens] + [o.num_tokens for o in engine.step()])  # num_tokens: the request's so far
+        if first is None and tokens:
+            first = time.perf_counter()
+    return tokens, (time.perf_counter() - first) * 1e3
+
+
+def kernel_timeline(prof) -> dict[str, float]:
+    """The union of the kernels' intervals and the gaps over GAP_US between them, in ms."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    busy, gaps = 0.0, []
+    start, end = spans[0]
+    for s, e in spans[1:]:
+        if s > end:
+            busy, gaps = busy + end - start, gaps + [s - end]
+            start, end = s, e
+        else:
+            end = max(end, e)
+    busy += end - start
+    big = [g for g in gaps if g > GAP_US]
+    return {"profiled_span_ms": (spans[-1][1] - spans[0][0]) / 1e3, "gpu_busy_ms": busy / 1e3,
+            "gaps_over_20us": len(big), "gap_ms_over_20us": sum(big) / 1e3,
+            "gap_median_us": statistics.median(big) if big else 0.0}
+
+
+def cprofile_table(fn, sort: str, lines: int) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    fn()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats(sort).print_stats(lines)
+    return text.getvalue()
+
+
+def profile_mode(mode: str) -> dict:
+    llm = LLM("synthetic-ouro-1.4b", device="cuda", exit_mode=mode, workers=0)
+    engine = llm.engine
+    work = Workload(128, mode, 4, threshold=OURO_THRESHOLD if mode == "ouro" else None)
+    jobs = make_jobs(5, 1024, engine.model_info.vocab_size, work, seed=3)
+    run_request(engine, jobs[0], "warm-0")
+    run_request(engine, jobs[1], "warm-1")
+    tokens, ms = run_request(engine, jobs[2], "timed")
+    report = {"tokens": tokens, "decode_ms": ms, "ms_per_token": ms / max(tokens - 1, 1)}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_request(engine, jobs[3], "profiled")
+    report |= kernel_timeline(prof)
+    report["cprofile"] = cprofile_table(lambda: run_request(engine, jobs[4], "cprofiled"), "cumulative", 45)
+    llm.close()
+    gc.collect()
+    torch.cuda.empty_cache()
+    return report
+
+
+def main(out_dir: str) -> None:
+    report = {}
+    for mode in ("ouro", "trace"):
+        report[mode] = profile_mode(mode)
+        print(mode, json.dumps({k: v for k, v in report[mode].items() if k != "cprofile"}))
+    with open(f"{out_dir}/ouro_gap.json", "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
