@@ -31,7 +31,8 @@ from protocol.columns import F64, I32, I64, U64, Columnar
 #    engine's exit depths of a row's next positions; the worker refills fixed/trace rows in the plan);
 #    WorkerConfig.exit_tests (the DecodeBatch exit tests whose CUDA graphs the worker captures at start-up).
 # 10: WorkerConfig.launch_pdl (the decode pass's Triton kernels with programmatic dependent launch).
-PROTOCOL_VERSION = 10
+# 11: WorkerConfig.device_refill (gate exits' passes with no readback between them).
+PROTOCOL_VERSION = 11
 
 
 class Stage(enum.IntEnum):
@@ -102,6 +103,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # (under the model's default exit mode: OURO, which a model without an exit gate never runs)
     exit_tests: tuple[int, ...] = ()
     launch_pdl: bool = False  # the decode pass's Triton kernels with programmatic dependent launch (sm_90+)
+    device_refill: bool = False  # gate exits, CODA and refill of greedy rows on the device (needs cuda_graphs)
 
 
 class WorkerHello(msgspec.Struct, tag=True, array_like=True, kw_only=True):

@@ -82,6 +82,9 @@ class EngineConfig:
                                    "write, attention, split merge, SwiGLU) with programmatic dependent launch, "
                                    "so each may start while its predecessor drains (CUDA sm_90+ with Triton "
                                    "attention; elsewhere plain launches)")
+    device_refill: bool = _opt(False, "gate exits (ouro) of greedy rows: the exit test, CODA, sampling and the "
+                                      "next token's PRELUDE run on the device for every row at every pass, so a "
+                                      "plan's passes queue with no readback between them (needs cuda_graphs)")
     cuda_graph_capture: str = _opt("startup", "when decode-pass graphs are captured: startup (every row × width "
                                               "bucket before the worker reports ready, so no capture lands in a "
                                               "request) or lazy (a bucket at its first use)")
@@ -161,6 +164,7 @@ class EngineConfig:
             self, model=resolve_model(self.model), device=device, dtype=dtype, attention_backend=backend,
             cuda_graphs=graphs, cuda_graph_prefill=self.cuda_graph_prefill and graphs, fused_layers=fused,
             launch_pdl=pdl, loops_per_plan=loops_per_plan, max_plans_in_flight=in_flight,
+            device_refill=self.device_refill and graphs,
         )
 
     def worker_config(self, device: str) -> WorkerConfig:
@@ -185,6 +189,7 @@ class EngineConfig:
             max_num_batched_tokens=self.max_num_batched_tokens,
             exit_tests=worker_exit_tests(self.exit_mode),
             launch_pdl=self.launch_pdl,
+            device_refill=self.device_refill,
         )
 
 

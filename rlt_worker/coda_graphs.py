@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from rlt_worker.sampler import SamplingTensors, sample
+from rlt_worker.sampler import SamplingTensors
 
 if TYPE_CHECKING:
     from rlt_worker.cuda_graphs import LoopPassGraphs
@@ -103,8 +103,6 @@ class CodaGraphs:
         """The captured function: head and sampler over the bucket's static rows."""
         runner = self.runner
         slots, seeds, indices = self._index[rows]
-        positions = torch.zeros_like(slots)  # unread: this coda has no attention
-        hidden = runner.model.coda(runner.state[slots], positions, runner.context(slots, positions, None, 1))
         params = SamplingTensors(temperature=runner.temperature[slots], top_k=runner.top_k[slots],
                                  top_p=runner.top_p[slots], seeds=seeds, indices=indices)
-        self._outputs[(rows, greedy)] = sample(runner.model.lm_head(hidden), params, all_greedy=greedy)
+        self._outputs[(rows, greedy)] = runner.sample_on_device(slots, params, greedy)

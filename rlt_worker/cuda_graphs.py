@@ -81,6 +81,7 @@ class GraphStats:
     lazy_captures: int = 0  # captured at first use, while serving (0 after a complete start-up capture)
     capture_mib: float = 0.0  # device memory capture_all() took (growth of reserved memory), MiB
     coda_replays: int = 0  # CODA batches run from a graph (rlt_worker/coda_graphs.py)
+    device_refill_plans: int = 0  # DecodeBatches whose passes ran with no readback (rlt_worker/device_refill.py)
     coda_eager: int = 0  # CODA batches that could not (forced tokens, replay rows, too many rows)
     coda_error: str | None = None  # a CODA capture failed: CODA runs eagerly (the passes keep their graphs)
     exit_replays: int = 0  # DecodeBatch exit tests run from a graph (rlt_worker/exit_graphs.py)
@@ -108,6 +109,7 @@ class GraphStats:
             "startup_capture_s": round(self.startup_capture_s, 3), "lazy_captures": self.lazy_captures,
             "capture_mib": round(self.capture_mib, 1), "rows": self.rows, "padded_rows": self.padded_rows,
             "coda_replays": self.coda_replays, "coda_eager": self.coda_eager, "coda_error": self.coda_error,
+            "device_refill_plans": self.device_refill_plans,
             "exit_replays": self.exit_replays, "exit_eager": self.exit_eager, "exit_error": self.exit_error,
             "buckets": dict(self.buckets), "error": self.error,
             "prefill_replays": self.prefill_replays, "prefill_eager": self.prefill_eager,
@@ -231,25 +233,38 @@ class LoopPassGraphs:
         copy), captured now if it is not yet; None (nothing written) when no bucket fits."""
         n = len(slots)
         key = self.bucket(n, int(positions.max()))
-        if key is None or self.stats.error is not None:
+        graph = None if key is None else self.graph_for(key)
+        if graph is None:
             self.stats.eager_passes += 1
             return None
-        rows, width = key
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = self.capture_or_none(functools.partial(self._pass, rows, width), self._warm_up(rows),
-                                         f"{rows} rows × {width} blocks")
-            if graph is None:
-                self.stats.eager_passes += 1
-                return None
-            self._graphs[key] = graph
-            self.stats.lazy_captures += 1
+        rows, _ = key
         host = np.empty((3, rows), dtype=np.int64)
         host[0, n:], host[1, n:], host[2, n:] = self.dummy_slot, 0, 1
         host[0, :n], host[1, :n], host[2, :n] = slots, positions, depths
         index = self._index[rows]
         self.runner.upload_into(index, host)
         return StagedPass(graph, key, n, index[:, :n])
+
+    def staged_on_device(self, key: tuple[int, int], num_rows: int) -> StagedPass | None:
+        """The bucket's graph over whatever its static inputs hold: the caller writes them on the device
+        (rlt_worker/device_refill.py) before each replay; None when capturing failed."""
+        graph = self.graph_for(key)
+        return None if graph is None else StagedPass(graph, key, num_rows, self._index[key[0]])
+
+    def graph_for(self, key: tuple[int, int]) -> Any:
+        """A (rows, width) bucket's graph, captured now if it is not yet; None after a failed capture."""
+        if self.stats.error is not None:
+            return None
+        graph = self._graphs.get(key)
+        if graph is None:
+            rows, width = key
+            graph = self.capture_or_none(functools.partial(self._pass, rows, width), self._warm_up(rows),
+                                         f"{rows} rows × {width} blocks")
+            if graph is None:
+                return None
+            self._graphs[key] = graph
+            self.stats.lazy_captures += 1
+        return graph
 
     def replay(self, staged: StagedPass) -> None:
         """Run a staged pass (its static inputs hold its rows until the next stage of its bucket)."""

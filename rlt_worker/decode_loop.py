@@ -55,14 +55,13 @@ import numpy as np
 import torch
 
 from protocol.messages import DecodeBatch, ExitTest, Stage
+from rlt_worker.device_refill import INITIAL_EXIT_STATE, DeviceRefill
 from rlt_worker.exit_tests import EXIT_STATE
 from rlt_worker.step_results import ResultBuilder
 
 if TYPE_CHECKING:
     from rlt_worker.exit_graphs import EagerExitStep
     from rlt_worker.model_runner import ModelRunner, PassColumns
-
-INITIAL_EXIT_STATE = 1.0  # a position's exit state before its first loop (∏ (1 − λ) over no loop)
 
 
 class ContinuationError(RuntimeError):
@@ -128,6 +127,26 @@ class DecodeLoop:
         waiting = np.flatnonzero(behind_prefill)
         self._stop_unless_completable(np.flatnonzero(rows.running & ~rows.exited))
         self._boundary(np.flatnonzero(rows.running & rows.exited & ~behind_prefill), results)
+        on_device = None if len(waiting) else self._on_device()
+        if on_device is not None:
+            on_device.run(rows, results)
+        else:
+            self._host_passes(waiting, results)
+        self._report_ends(results)
+        self._save_cursors()
+
+    def _on_device(self) -> DeviceRefill | None:
+        """The batch's passes with exits and refill on the device, when they qualify (device_refill.py)."""
+        if not isinstance(self.exits, DeviceExits) or not self.runner.config.device_refill:
+            return None
+        self.exits.check_sampled(self.runner, self.rows)  # the boundary's stop tokens, before the rows go
+        rows = self.rows
+        return DeviceRefill.plan(self.runner, self.exits.exit_step, self.batch.refill, rows,
+                                 np.flatnonzero(rows.running & ~rows.exited), self.batch.max_passes)
+
+    def _host_passes(self, waiting: np.ndarray, results: ResultBuilder) -> None:
+        """Passes chosen by the host from each pass's exits (a readback per pass for a device test)."""
+        rows = self.rows
         passes = 0
         while passes < self.batch.max_passes:
             looping = np.flatnonzero(rows.running & ~rows.exited)
@@ -143,8 +162,6 @@ class DecodeLoop:
             else:
                 rows.exited[exits] = True  # the cohort's boundary work waits for its last exit
         self._after_prefill(waiting, results)
-        self._report_ends(results)
-        self._save_cursors()
 
     # ------------------------------------------------------------------ setup
 
@@ -321,18 +338,31 @@ class DeviceExits:
                    rows: _Rows, looping: np.ndarray) -> np.ndarray:
         """bool [len(looping)]: which of the pass's rows exited, read back with the tokens sampled
         since the last readback; a row that sampled a stop token ends here (not an exit)."""
-        flags = self.exit_step.after_pass(columns, width, before)
+        exited, stopped = self._read_back(runner, rows, self.exit_step.after_pass(columns, width, before))
+        return exited & ~np.isin(looping, stopped)
+
+    def check_sampled(self, runner: ModelRunner, rows: _Rows) -> None:
+        """Read back the tokens sampled since the last readback now (before DeviceRefill takes the rows)."""
+        if self._unchecked:
+            self._read_back(runner, rows, None)
+
+    def _read_back(self, runner: ModelRunner, rows: _Rows, flags: torch.Tensor | None
+                   ) -> tuple[np.ndarray | None, np.ndarray]:
+        """(the flags on the host, the rows ended by a stop token among the tokens sampled since the
+        last readback), in one readback; the stopped rows are finished."""
         sampled, self._unchecked = self._unchecked, []
-        exited, *tokens = runner.read_back(flags, *(s.tokens for s in sampled))
+        exited, *tokens = runner.read_back(*([] if flags is None else [flags]), *(s.tokens for s in sampled))
+        if flags is None:
+            tokens, exited = [exited, *tokens], None
         if not sampled:
-            return exited
+            return exited, np.zeros(0, dtype=np.int64)
         tokens = np.concatenate(tokens).tolist()
         stop_ids = [ids for s in sampled for ids in s.stop_ids]
         is_stop = np.array([t in ids for t, ids in zip(tokens, stop_ids, strict=True)], dtype=bool)
         stopped = np.concatenate([s.rows for s in sampled])[is_stop]
         rows.finished[stopped] = True
         rows.running[stopped] = False
-        return exited & ~np.isin(looping, stopped)
+        return exited, stopped
 
     def sampled(self, rows: _Rows, sampling: np.ndarray, tokens: torch.Tensor) -> None:
         """A boundary's tokens (on the device): the next pass's readback checks them for stop tokens."""

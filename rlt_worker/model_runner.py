@@ -87,6 +87,7 @@ class RunnerConfig:
     max_batch_tokens: int = 0  # token rows of a plan's largest batch: the prefill graphs' largest bucket
     exit_tests: tuple[ExitTest, ...] = ()  # the DecodeBatch exit tests whose graphs are captured with the passes'
     kernel_launch: KernelLaunch = PLAIN  # how the attention backend's Triton kernels launch (PDL or not)
+    device_refill: bool = False  # gate exits' passes with no readback between them (rlt_worker/device_refill.py)
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ class ModelRunner:
         # One row more than there are slots: the dummy slot of graph padding rows (never opened).
         self.state = torch.zeros(slots + 1, hidden, dtype=dtype, device=self.device)
         self.embedded = torch.zeros(slots + 1, hidden, dtype=dtype, device=self.device)
-        self.tokens = torch.zeros(slots, dtype=torch.long, device=self.device)
+        self.tokens = torch.zeros(slots + 1, dtype=torch.long, device=self.device)  # + the dummy slot's
         # The host copy answers host-side questions (finalize addresses) without a device readback.
         self._host_tables = np.zeros((slots, config.num_planes, max_blocks), dtype=np.int32)
         self.block_tables = torch.zeros(
@@ -123,7 +124,7 @@ class ModelRunner:
         )
         signal_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         self.prev_logp = (
-            torch.zeros(slots, info.vocab_size, dtype=signal_dtype, device=self.device)
+            torch.zeros(slots + 1, info.vocab_size, dtype=signal_dtype, device=self.device)
             if info.has_coda_signal
             else None
         )
@@ -541,11 +542,61 @@ class ModelRunner:
 
     def finalize_rows(self, row_slots: np.ndarray, host_positions: np.ndarray, exit_depths: np.ndarray) -> None:
         """LAST_EXITED: copy each row's exit-plane K/V at its position into every deeper plane."""
-        if self.config.kv_layout != LAST_EXITED or not len(row_slots):
+        if self.config.kv_layout == LAST_EXITED and len(row_slots):
+            self.finalize_on_device(*self.upload(row_slots, host_positions, exit_depths))
+
+    def finalize_on_device(self, slots: torch.Tensor, positions: torch.Tensor, exit_depths: torch.Tensor) -> None:
+        """finalize_rows of device columns (an exit depth of D copies nothing)."""
+        if self.config.kv_layout != LAST_EXITED:
             return  # SHARED: the one plane already holds each position's last loop
-        slots, positions, depths = self.upload(row_slots, host_positions, exit_depths)
         loop_tables = self.block_tables[:, : self.config.max_depth]  # Huginn's outer-layer plane comes after
-        self._backend.finalize_kv(self.storage.pool, loop_tables, slots, positions, depths)
+        self._backend.finalize_kv(self.storage.pool, loop_tables, slots, positions, exit_depths)
+
+    # ------------------------------------------------------------------ device columns (DeviceRefill)
+
+    @property
+    def dummy_slot(self) -> int:
+        """The slot row of graph padding rows (never opened): every per-slot tensor but the options has it."""
+        return self.config.max_slots
+
+    def device_pass(self, num_rows: int, max_position: int) -> StagedPass | None:
+        """The pass graph of `num_rows` rows up to `max_position`, its static inputs to be written on the
+        device; None without graphs, for a coda that attends, or when no bucket fits."""
+        if self._graphs is None or self._graphs.coda is None:
+            return None
+        key = self._graphs.bucket(num_rows, max_position)
+        staged = None if key is None else self._graphs.staged_on_device(key, key[0])
+        self._graphs.stats.device_refill_plans += staged is not None
+        return staged
+
+    def report_device_pass(self, columns: torch.Tensor, running: torch.Tensor) -> None:
+        """pass_listener (tests) of a pass whose rows are on the device: its running rows, read back."""
+        assert self.pass_listener is not None
+        host, keep = self.read_back(columns, running)
+        self.pass_listener(*host[:, keep])
+
+    def replay_pass(self, staged: StagedPass) -> None:
+        assert self._graphs is not None
+        self._graphs.replay(staged)
+
+    def sample_on_device(self, slots: torch.Tensor, params: SamplingTensors, greedy: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """CODA of a coda without attention (Ouro) over these slots' states, then the sampler: what
+        CodaGraphs captures, and DeviceRefill's CODA of every row of a pass."""
+        positions = torch.zeros_like(slots)  # unread: this coda has no attention
+        hidden = self.model.coda(self.state[slots], positions, self.context(slots, positions, None, 1))
+        return sample(self.model.lm_head(hidden), params, all_greedy=greedy)
+
+    def store_tokens(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The tokens a PRELUDE of these slots reads (the slot table's)."""
+        self.tokens[slots] = tokens
+
+    def embed_on_device(self, slots: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        """PRELUDE of device columns for a model without outer layers (Ouro: no noise, no context read)."""
+        embedded = self.model.embed(tokens, positions, self.context(slots, positions, None, 1))
+        self.state[slots] = self.model.init_state(embedded, None)
+        self.embedded[slots] = embedded
+        self._reset_kl(slots)
 
     def coda_kv(self, row_slots: np.ndarray, host_positions: np.ndarray) -> None:
         """The coda of each row's state for its K/V only (a replayed position: nothing is sampled)."""

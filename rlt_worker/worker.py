@@ -106,6 +106,7 @@ class Worker:
             max_batch_tokens=config.max_num_batched_tokens,
             exit_tests=tuple(ExitTest(t) for t in config.exit_tests),
             kernel_launch=launch,
+            device_refill=config.device_refill,
         )
         self.runner = ModelRunner(model, storage, runner_config)
         log.info("worker %d ready on %s: %d KV blocks, %d planes", self.index, device, num_blocks, planes)

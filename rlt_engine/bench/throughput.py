@@ -481,7 +481,7 @@ class Grid:
         options = dict(self._options(_engine_exit(mode)), workers=workers, attention_backend=a.attention_backend,
                        loops_per_plan=a.loops_per_plan, enable_prefix_caching=mode != "shared_prefix_uncached",
                        max_plans_in_flight=a.max_plans_in_flight, mixed_batches=mode.endswith(MIXED))
-        for flag in ("cuda_graphs", "cuda_graph_prefill", "fused_layers", "launch_pdl",
+        for flag in ("cuda_graphs", "cuda_graph_prefill", "fused_layers", "launch_pdl", "device_refill",
                      "max_prefill_tokens_while_decoding", "prefill_tokens_per_decoding_row"):  # None: the engine's
             if getattr(a, flag) is not None:
                 options[flag] = getattr(a, flag)
@@ -943,6 +943,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="Ouro's layers through the fused Triton kernels (default: the engine's, on for CUDA + Triton)")
     p.add_argument("--launch-pdl", action=argparse.BooleanOptionalAction, default=None,
                    help="the decode pass's Triton kernels with programmatic dependent launch (default: the engine's)")
+    p.add_argument("--device-refill", action=argparse.BooleanOptionalAction, default=None,
+                   help="gate exits, CODA and refill of greedy rows on the device, no readback between a plan's "
+                        "passes (default: the engine's)")
     p.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None,
                    help="prompt tokens per step while a request decodes (default: the engine's; the *_uncapped "
                         "workloads run with 0, no cap)")
@@ -1004,7 +1007,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "latent_threshold": args.latent_threshold, "gate_dtype": grid.gate_dtype,
         "gate_output_len": args.gate_output_len,
         "cuda_graphs": args.cuda_graphs, "cuda_graph_prefill": args.cuda_graph_prefill,
-        "fused_layers": args.fused_layers, "launch_pdl": args.launch_pdl, "loops_per_plan": args.loops_per_plan,
+        "fused_layers": args.fused_layers, "launch_pdl": args.launch_pdl, "device_refill": args.device_refill,
+        "loops_per_plan": args.loops_per_plan,
         "max_plans_in_flight": EngineConfig(device=args.device, max_plans_in_flight=args.max_plans_in_flight)
         .resolved().max_plans_in_flight,
         "sampling": "greedy, ignore_eos",

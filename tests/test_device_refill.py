@@ -1,0 +1,98 @@
+"""DeviceRefill (rlt_worker/device_refill.py): a DecodeBatch's exits, CODA and refill on the device, with
+no readback between passes, against the host-driven loop and the dense reference (float64, CPU, graphs
+emulated)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+from factories import DEPTH, Job, assert_matches_reference, make_llm, make_workload, run_workload
+
+from rlt_engine import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _jobs(mode: str, n: int = 8) -> list:
+    """Greedy requests (every 5th with stop tokens on half the vocabulary), staggered, varied limits."""
+    return make_workload(random.Random(f"device-refill-{mode}"), n, depth=DEPTH["toy-ouro"], exit_mode=mode,
+                         threshold=0.5, sampling=("greedy",), max_prompt_len=10, max_tokens=9, vary_limits=True,
+                         spread=1)
+
+
+def _run(mode: str, layout: str, device_refill: bool, jobs: list, **options: object):
+    settings = dict(exit_mode=mode, kv_layout=layout, loops_per_plan=4 * DEPTH["toy-ouro"], max_num_seqs=6)
+    with make_llm("toy-ouro", **(settings | options)) as llm:
+        runner = llm.engine.executor._worker.runner
+        runner.config = dataclasses.replace(runner.config, device_refill=device_refill)
+        runner.use_pass_graphs(emulate=True)
+        run = run_workload(llm, jobs)
+        run.assert_resources_returned()
+        run.graph_stats = runner.graph_stats
+    return run
+
+
+def _finals(run) -> list[tuple]:
+    return [(life.job.request_id, life.final.token_ids, life.final.exit_depths, life.final.finish_reason)
+            for life in run.lives]
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+@pytest.mark.parametrize("mode", ["ouro", "ouro_delayed"])
+def test_device_refill_equals_the_host_loop_and_the_reference(mode: str, layout: str) -> None:
+    """Tokens, exit depths, finish reasons (stop tokens and max_tokens inside plans) and logprobs are
+    the host loop's and the reference's, each position runs loops 1 … its exit depth once, and the
+    plans did run on the device."""
+    jobs = _jobs(mode)
+    on_device = _run(mode, layout, True, jobs)
+    host = _run(mode, layout, False, jobs)
+    assert _finals(on_device) == _finals(host)
+    assert_matches_reference(on_device, "toy-ouro", kv_layout=layout, exit_mode=mode)
+    assert on_device.graph_stats["device_refill_plans"] > 0
+    assert host.graph_stats["device_refill_plans"] == 0
+    assert any(life.final.finish_reason == "stop" for life in on_device.lives)
+
+
+def test_sampled_rows_keep_the_host_loop() -> None:
+    """A batch with a sampling row is not greedy: it runs the host-driven loop, and still matches."""
+    jobs = make_workload(random.Random("device-refill-sampled"), 6, depth=DEPTH["toy-ouro"], exit_mode="ouro",
+                         threshold=0.5, sampling=("top_k",), max_prompt_len=10, max_tokens=6, spread=1)
+    run = _run("ouro", "last_exited", True, jobs)
+    assert_matches_reference(run, "toy-ouro", kv_layout="last_exited", exit_mode="ouro")
+    assert run.graph_stats["device_refill_plans"] == 0
+
+
+def test_pipelined_plans_continue_device_refill_rows() -> None:
+    """Two plans in flight (rows that continue their slot's last row): the same outputs."""
+    jobs = _jobs("ouro")
+    pipelined = _run("ouro", "last_exited", True, jobs, max_plans_in_flight=2)
+    assert_matches_reference(pipelined, "toy-ouro", kv_layout="last_exited", exit_mode="ouro")
+    assert pipelined.graph_stats["device_refill_plans"] > 0
+
+
+def test_a_stop_token_ends_its_row_at_once() -> None:
+    """A greedy row whose output k ≥ 2 is a stop token runs no loop past that output's position (the host
+    loop runs one more, dropped, until its next readback)."""
+    params = dict(max_tokens=9, seed=3, exit_threshold=0.5, temperature=0.0)
+    free = _run("ouro", "last_exited", True, [Job("r", (5, 6, 7), SamplingParams(**params))]).life("r").final
+    k = next(i for i in range(2, 8) if free.token_ids[i] not in free.token_ids[:i])
+    job = Job("r", (5, 6, 7), SamplingParams(**params, stop_token_ids=[free.token_ids[k]]))
+    run = _run("ouro", "last_exited", True, [job])
+    assert_matches_reference(run, "toy-ouro", kv_layout="last_exited", exit_mode="ouro")
+    out = run.life("r").final
+    assert out.token_ids == free.token_ids[: k + 1] and out.finish_reason == "stop"
+    positions = {p for loop_pass in run.passes for _, _, p, _ in loop_pass.rows}
+    assert max(positions) == 2 + k, "the row looped past its stop token's position"
+    assert run.graph_stats["device_refill_plans"] > 0
+
+
+def test_rows_stop_where_their_blocks_end() -> None:
+    """KV blocks granted on demand from a small pool: a row stops when its next position has no block
+    (and resumes in a later plan); the outputs are the reference's."""
+    jobs = _jobs("ouro", n=10)
+    run = _run("ouro", "last_exited", True, jobs, kv_growth="on_demand", block_size=4, num_blocks=32,
+               preemption="swap")
+    assert_matches_reference(run, "toy-ouro", kv_layout="last_exited", exit_mode="ouro")
+    assert run.graph_stats["device_refill_plans"] > 0
