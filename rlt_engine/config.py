@@ -82,7 +82,9 @@ class EngineConfig:
                                    "write, attention, split merge, SwiGLU) with programmatic dependent launch, "
                                    "so each may start while its predecessor drains (CUDA sm_90+ with Triton "
                                    "attention; elsewhere plain launches)")
-    device_refill: bool = _opt(False, "gate exits (ouro) of greedy rows: the exit test, CODA, sampling and the "
+    # On: ouro on the H200 at c1868c1 gave 217.4 against 172.5 tok/s at c = 1 and 1,694.3 against 1,387.0 at
+    # c = 32 (gated 8/8 float32; docs/benchmarks.md).
+    device_refill: bool = _opt(True, "gate exits (ouro) of greedy rows: the exit test, CODA, sampling and the "
                                       "next token's PRELUDE run on the device for every row at every pass, so a "
                                       "plan's passes queue with no readback between them (needs cuda_graphs)")
     cuda_graph_capture: str = _opt("startup", "when decode-pass graphs are captured: startup (every row × width "

@@ -11,6 +11,7 @@ import pytest
 from factories import DEPTH, Job, assert_matches_reference, make_llm, make_workload, run_workload
 
 from rlt_engine import SamplingParams
+from rlt_engine.config import EngineConfig
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -96,3 +97,12 @@ def test_rows_stop_where_their_blocks_end() -> None:
                preemption="swap")
     assert_matches_reference(run, "toy-ouro", kv_layout="last_exited", exit_mode="ouro")
     assert run.graph_stats["device_refill_plans"] > 0
+
+
+def test_device_refill_is_on_where_pass_graphs_are() -> None:
+    """The default resolves on with CUDA graphs (CUDA + Triton) and off on the CPU; the worker is told."""
+    cuda = EngineConfig(device="cuda").resolved()
+    assert cuda.device_refill and cuda.worker_config("cuda").device_refill
+    assert not EngineConfig(device="cuda", attention_backend="torch").resolved().device_refill
+    assert not EngineConfig(device="cpu").resolved().device_refill
+    assert not EngineConfig(device="cuda", device_refill=False).resolved().worker_config("cuda").device_refill
