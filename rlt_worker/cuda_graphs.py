@@ -55,6 +55,7 @@ import torch
 
 from protocol.messages import ExitTest
 from rlt_worker.coda_graphs import CodaGraphs
+from rlt_worker.device_refill import RefillGraphs
 from rlt_worker.exit_graphs import ExitTestGraphs
 from rlt_worker.prefill_graphs import PrefillGraphs, next_pow2
 
@@ -82,6 +83,7 @@ class GraphStats:
     capture_mib: float = 0.0  # device memory capture_all() took (growth of reserved memory), MiB
     coda_replays: int = 0  # CODA batches run from a graph (rlt_worker/coda_graphs.py)
     device_refill_plans: int = 0  # DecodeBatches whose passes ran with no readback (rlt_worker/device_refill.py)
+    refill_error: str | None = None  # a device-refill pass capture failed: those batches take the host loop
     coda_eager: int = 0  # CODA batches that could not (forced tokens, replay rows, too many rows)
     coda_error: str | None = None  # a CODA capture failed: CODA runs eagerly (the passes keep their graphs)
     exit_replays: int = 0  # DecodeBatch exit tests run from a graph (rlt_worker/exit_graphs.py)
@@ -109,7 +111,7 @@ class GraphStats:
             "startup_capture_s": round(self.startup_capture_s, 3), "lazy_captures": self.lazy_captures,
             "capture_mib": round(self.capture_mib, 1), "rows": self.rows, "padded_rows": self.padded_rows,
             "coda_replays": self.coda_replays, "coda_eager": self.coda_eager, "coda_error": self.coda_error,
-            "device_refill_plans": self.device_refill_plans,
+            "device_refill_plans": self.device_refill_plans, "refill_error": self.refill_error,
             "exit_replays": self.exit_replays, "exit_eager": self.exit_eager, "exit_error": self.exit_error,
             "buckets": dict(self.buckets), "error": self.error,
             "prefill_replays": self.prefill_replays, "prefill_eager": self.prefill_eager,
@@ -169,6 +171,8 @@ class LoopPassGraphs:
         self.prefill = PrefillGraphs(self, prefill_tokens) if prefill_tokens else None
         # DecodeBatch exit tests after a replayed pass; `exit_tests` are captured at start-up.
         self.exits = ExitTestGraphs(self, exit_tests)
+        # DecodeBatches with exits and refill on the device (Ouro's coda: no attention), captured at first use.
+        self.refill = RefillGraphs(self) if self.coda is not None else None
 
     def widths(self) -> tuple[int, ...]:
         """Every width bucket: MIN_WIDTH, 2·MIN_WIDTH, … below max_width, then max_width."""
@@ -244,12 +248,6 @@ class LoopPassGraphs:
         index = self._index[rows]
         self.runner.upload_into(index, host)
         return StagedPass(graph, key, n, index[:, :n])
-
-    def staged_on_device(self, key: tuple[int, int], num_rows: int) -> StagedPass | None:
-        """The bucket's graph over whatever its static inputs hold: the caller writes them on the device
-        (rlt_worker/device_refill.py) before each replay; None when capturing failed."""
-        graph = self.graph_for(key)
-        return None if graph is None else StagedPass(graph, key, num_rows, self._index[key[0]])
 
     def graph_for(self, key: tuple[int, int]) -> Any:
         """A (rows, width) bucket's graph, captured now if it is not yet; None after a failed capture."""

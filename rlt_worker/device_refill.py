@@ -4,108 +4,182 @@ DecodeLoop's host-driven passes read each pass's exit flags back to choose the n
 the boundary work. For a gate test (OURO, OURO_DELAYED) that is one round trip per pass, and the
 GPU waits for it: at c = 1 on the H200, 1.18 ms a token at 2.3 passes (docs/benchmarks.md). Here
 every row of the plan stays in its rows bucket for the whole plan, and what the host decided from
-the flags is decided by masks on the device instead:
+the flags is decided by masks on the device instead. One pass, captured as one CUDA graph per
+(rows bucket, width bucket, test):
 
-    per pass     the rows' columns → the bucket's static inputs (a stopped row: the dummy slot)
-                 → pass replay → exit-test replay → exits = flags ∧ running
-                 → FINALIZE of every row (exit depth D where the row did not exit: a no-op)
-                 → CODA and greedy sampling of every row (the rows that did not exit drop theirs)
-                 → each exit's output recorded at (row, its count) → a row ends at its last output
-                 or a stop token → the others: PRELUDE of the token at position + 1 (written to
-                 the dummy slot where the row did not exit) → a row whose new position's next one
-                 has no block stops there (RECURRENT at depth 0, as the host loop's coverage rule)
-    host         launches only; before pass p it waits for pass p − LEAD's "any row running"
-                 flag (LEAD passes stay queued, so the GPU does not idle) and stops when none is
-    per plan     1 upload (the rows' columns), 1 readback (every output, where each row stopped)
+    the rows' columns → the pass graphs' static inputs (a row that stopped: the dummy slot)
+    → the loop pass → the exit test → exits = flags ∧ running
+    → FINALIZE of every row (exit depth D where the row did not exit: a no-op)
+    → CODA and greedy sampling of every row (the rows that did not exit drop theirs)
+    → each exit's output recorded at (row, its count) → a row ends at its last output or a stop
+      token (the slot's stop mask) → the others: PRELUDE of the token at position + 1 (into the
+      dummy slot where the row did not exit) → a row whose new position's next one has no block
+      stops there (RECURRENT at depth 0, as the host loop's coverage rule)
+    → "any row running" into a static flag
 
-Every operation is the host path's on the same rows (the same exit test graph, finalize kernel,
-coda, head and sampler), so tokens and exit depths are the host loop's; only the GEMMs' row count
-(the bucket's, not the exits') differs, which batch invariance of the head does not cover on CUDA.
-The price is CODA for every row at every pass instead of once per token: the head's weight is
-read per pass (0.12 ms for greedy at 1 row on the H200).
+    host, per pass   one replay, and a copy of the flag to pinned memory; before pass p it waits
+                     for pass p − LEAD's flag (LEAD passes stay queued) and stops when none runs
+    host, per plan   one upload (the rows' columns), one readback (every output, where each row stopped)
 
-When it runs (`DeviceRefill.plan`, chosen once per batch): `device_refill` is on, the passes and the
-test replay from graphs, refill is on, the coda has no attention (Ouro), every row is greedy and
-none forces tokens, and no prompt chunk rides the passes. Otherwise the host-driven loop runs. (A
+Every operation is the host path's on the same rows (the same pass, exit test, finalize kernel,
+coda, head and sampler), so tokens and exit depths are the host loop's; only the head GEMM's row
+count (the bucket's, not the exits') differs, which batch invariance does not cover on CUDA. The
+price is CODA for every row at every pass instead of once per token: the head's weight is read per
+pass (0.12 ms for greedy at 1 row on the H200).
+
+The buffers live per rows bucket for the worker's life (the graphs read them at fixed addresses);
+graphs are captured at a bucket's first use (`lazy_captures`). When it runs (`DeviceRefill.plan`,
+once per batch): `device_refill` is on, the passes and the test replay from graphs, refill is on,
+the coda has no attention (Ouro), every row is greedy and none forces tokens, no prompt chunk rides
+the passes, and the plan has at most MAX_PASSES passes. Otherwise the host-driven loop runs. (A
 test's pass_listener costs a readback per pass here.)
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+import logging
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from protocol.messages import Stage
+from protocol.messages import ExitTest, Stage
 from rlt_worker.exit_graphs import EagerExitStep, GraphedExitStep
-from rlt_worker.exit_tests import EXIT_STATE
+from rlt_worker.exit_tests import EXIT_STATE, make_exit_test
 from rlt_worker.sampler import SamplingTensors
 
 if TYPE_CHECKING:
-    from rlt_worker.cuda_graphs import StagedPass
+    from rlt_worker.cuda_graphs import LoopPassGraphs
     from rlt_worker.decode_loop import _Rows
     from rlt_worker.model_runner import ModelRunner
     from rlt_worker.step_results import ResultBuilder
 
+log = logging.getLogger("rlt.worker")
+
 LEAD = 2  # passes queued ahead of the one whose "any row running" flag the host waits for
+MAX_PASSES = 64  # outputs a row may record in one plan (the buffers' width; loops_per_plan is 4·D by default)
 INITIAL_EXIT_STATE = 1.0  # a position's exit state before its first loop (∏ (1 − λ) over no loop)
+# Rows of RefillBuffers.columns (int64 [COLUMNS, R]); RUNNING and FINISHED hold 0 or 1.
+SLOTS, POSITIONS, DEPTHS, INDICES, LAST, COVERED, RUNNING, FINISHED, SEEDS, COUNT = range(10)
+COLUMNS = 10
+
+
+class RefillBuffers:
+    """One rows bucket's device state (R rows; padding rows on the dummy slot, never running)."""
+
+    def __init__(self, rows: int, device: torch.device) -> None:
+        self.columns = torch.zeros(COLUMNS, rows, dtype=torch.long, device=device)
+        self.outputs = torch.zeros(2, rows, MAX_PASSES + 1, dtype=torch.long, device=device)  # tokens, depths
+        self.logprobs = torch.zeros(rows, MAX_PASSES + 1, dtype=torch.float64, device=device)
+        self.alive = torch.zeros((), dtype=torch.bool, device=device)
+        self.row_index = torch.arange(rows, device=device)
+        # Greedy: the sampler reads only whether each row is greedy (all are) and draws nothing.
+        self.params = SamplingTensors(temperature=torch.zeros(rows, dtype=torch.float64, device=device),
+                                      top_k=torch.full((rows,), -1, dtype=torch.long, device=device),
+                                      top_p=torch.ones(rows, dtype=torch.float64, device=device),
+                                      seeds=self.columns[SEEDS], indices=self.columns[INDICES])
+
+
+class RefillGraphs:
+    """The per-pass function of each (rows, width, test), captured lazily; owned by LoopPassGraphs."""
+
+    def __init__(self, passes: LoopPassGraphs) -> None:
+        self.passes = passes
+        self.runner = passes.runner
+        self.buffers = {b: RefillBuffers(b, self.runner.device) for b in passes.row_buckets}
+        self._graphs: dict[tuple[int, int, ExitTest], Any] = {}
+        self.error: str | None = None  # a capture failed: DecodeBatches take the host loop from now on
+
+    def graph(self, rows: int, width: int, exit_test: ExitTest) -> Any:
+        """The key's graph (captured now at its first use), or None after a failed capture."""
+        key = (rows, width, exit_test)
+        if key not in self._graphs and self.error is None and self.passes.stats.error is None:
+            try:
+                self._graphs[key] = self.passes._capture(
+                    functools.partial(self._pass, rows, width, make_exit_test(exit_test)), self._warm_up(rows))
+                self.passes.stats.lazy_captures += 1
+            except Exception as exc:  # keep serving: the host loop runs these batches
+                log.exception("CUDA graph capture of a device-refill pass (%d rows × %d blocks) failed", rows, width)
+                self.error = self.passes.stats.refill_error = f"{type(exc).__name__}: {exc}"
+        return self._graphs.get(key)
+
+    def _warm_up(self, rows: int) -> functools.partial:
+        """No row running, every row on the dummy slot: warm-up passes touch only what no real row owns."""
+        return functools.partial(self._point_at_dummy, rows)
+
+    def _point_at_dummy(self, rows: int) -> None:
+        columns = self.buffers[rows].columns
+        columns.zero_()
+        columns[SLOTS].fill_(self.runner.dummy_slot)
+        columns[LAST].fill_(-1)
+
+    def _pass(self, rows: int, width: int, test: Any) -> None:
+        """The captured function: one pass of the bucket's rows with its boundary work (module docstring)."""
+        runner, passes, b = self.runner, self.passes, self.buffers[rows]
+        c, dummy = b.columns, runner.dummy_slot
+        slots, positions, depths, indices = c[SLOTS], c[POSITIONS], c[DEPTHS], c[INDICES]
+        running = c[RUNNING] > 0
+        depths += running
+        index = passes.static_rows(rows)  # the loop pass's static inputs, read by the test too
+        index.copy_(torch.stack([torch.where(running, slots, dummy), torch.where(running, positions, 0),
+                                 torch.where(running, depths, 1)]))
+        passes._pass(rows, width)
+        exits = test.apply(runner, index[0], index[1], index[2], passes.max_width, None) & running
+        runner.finalize_on_device(slots, positions, torch.where(exits, depths, runner.config.max_depth))
+        tokens, logprobs = runner.sample_on_device(index[0], b.params, True)
+        at = torch.where(exits, c[COUNT], MAX_PASSES)  # the rows that did not exit write the spare column
+        b.outputs[0, b.row_index, at] = tokens
+        b.outputs[1, b.row_index, at] = depths
+        b.logprobs[b.row_index, at] = logprobs
+        c[COUNT] += exits
+        ends = exits & ((indices == c[LAST]) | runner.is_stop_token(slots, tokens))
+        going = exits & ~ends
+        runner.store_tokens(torch.where(exits, slots, dummy), tokens)
+        positions += going
+        indices += going
+        depths.masked_fill_(going, 0)
+        prelude_slots = torch.where(going, slots, dummy)
+        runner.embed_on_device(prelude_slots, tokens, positions)
+        runner.decode_cursors.exit_values[:, EXIT_STATE].index_fill_(0, prelude_slots, INITIAL_EXIT_STATE)
+        completable = (positions + 1 < c[COVERED]) | (indices == c[LAST])
+        c[FINISHED] |= ends
+        c[RUNNING] = running & ~ends & ~(going & ~completable)
+        b.alive.copy_(c[RUNNING].any())
 
 
 class DeviceRefill:
-    """One plan's rows on the device (bucket rows R; padding rows on the dummy slot, never running)."""
+    """One plan's passes through its bucket's RefillBuffers and graph."""
 
-    def __init__(self, runner: ModelRunner, exit_step: GraphedExitStep, staged: StagedPass, rows: _Rows,
-                 looping: np.ndarray, max_passes: int) -> None:
-        self.runner, self.exit_step, self.staged = runner, exit_step, staged
+    def __init__(self, runner: ModelRunner, graph: Any, buffers: RefillBuffers, rows: _Rows, looping: np.ndarray,
+                 max_passes: int) -> None:
+        self.runner, self.graph, self.buffers = runner, graph, buffers
         self.looping, self.max_passes = looping, max_passes
-        self.dummy = runner.dummy_slot
-        bucket = staged.key[0]
-        n = len(looping)
-
-        def padded(values: np.ndarray, fill: int) -> np.ndarray:
-            out = np.full(bucket, fill, dtype=np.int64)
-            out[:n] = values
-            return out
-
-        stop_ids = [sorted(rows.stop_ids[r]) for r in looping.tolist()]
-        width = max([1] + [len(ids) for ids in stop_ids])
-        host_stops = np.full((bucket, width), -1, dtype=np.int64)  # −1 matches no token
-        for r, ids in enumerate(stop_ids):
-            host_stops[r, :len(ids)] = ids
-        (self.slots, self.positions, self.depths, self.indices, self.last, self.covered, running, seeds,
-         stops) = runner.upload(
-            padded(rows.slots[looping], self.dummy), padded(rows.positions[looping], 0),
-            padded(rows.depths[looping], 0), padded(rows.indices[looping], 0), padded(rows.last_index[looping], -1),
-            padded(rows.covered[looping], 0), padded(np.ones(n, dtype=np.int64), 0),
-            padded(rows.seeds[looping].view(np.int64), 0), host_stops)
-        self.running = running > 0
-        self.finished = torch.zeros_like(self.running)
-        self.stop_ids = stops.reshape(bucket, width)
-        # Greedy: the sampler reads only whether each row is greedy (all are) and draws nothing.
-        self.params = SamplingTensors(temperature=torch.zeros(bucket, dtype=torch.float64, device=runner.device),
-                                      top_k=torch.full_like(self.slots, -1), top_p=torch.ones_like(self.slots,
-                                      dtype=torch.float64), seeds=seeds, indices=self.indices)
-        # Each row's outputs in order; column max_passes takes the writes of rows that did not exit.
-        self.count = torch.zeros_like(self.slots)
-        self.out_tokens = torch.zeros(bucket, max_passes + 1, dtype=torch.long, device=runner.device)
-        self.out_depths = torch.zeros_like(self.out_tokens)
-        self.out_logprobs = torch.zeros(bucket, max_passes + 1, dtype=torch.float64, device=runner.device)
-        self.rows_index = torch.arange(bucket, device=runner.device)
+        bucket, n = buffers.columns.shape[1], len(looping)
+        host = np.zeros((COLUMNS, bucket), dtype=np.int64)
+        host[SLOTS], host[LAST] = runner.dummy_slot, -1
+        for row, values in ((SLOTS, rows.slots), (POSITIONS, rows.positions), (DEPTHS, rows.depths),
+                            (INDICES, rows.indices), (LAST, rows.last_index), (COVERED, rows.covered),
+                            (SEEDS, rows.seeds.view(np.int64))):
+            host[row, :n] = values[looping]
+        host[RUNNING, :n] = 1
+        runner.upload_into(buffers.columns, host)
 
     @classmethod
     def plan(cls, runner: ModelRunner, exit_step: EagerExitStep, refill: bool, rows: _Rows, looping: np.ndarray,
              max_passes: int) -> DeviceRefill | None:
         """The batch's passes on the device when they qualify (module docstring), else None."""
-        if not (runner.config.device_refill and refill and len(looping) and isinstance(exit_step, GraphedExitStep)):
+        if not (runner.config.device_refill and refill and len(looping) and max_passes <= MAX_PASSES
+                and isinstance(exit_step, GraphedExitStep)):
             return None
         slots = rows.slots[looping]
         if (runner.has_riding_loops or not runner.host_greedy[slots].all()
                 or runner.forced_tokens(slots, rows.indices[looping]) is not None):
             return None
         # Positions advance at most one a pass: the widest context any pass of the plan can need.
-        staged = runner.device_pass(len(looping), int(rows.positions[looping].max()) + max_passes)
-        return None if staged is None else cls(runner, exit_step, staged, rows, looping, max_passes)
+        found = runner.refill_graph(len(looping), int(rows.positions[looping].max()) + max_passes,
+                                    exit_step.exit_test)
+        return None if found is None else cls(runner, *found, rows, looping, max_passes)
 
     def run(self, rows: _Rows, results: ResultBuilder) -> None:
         """Up to max_passes passes, then the rows' outputs into `results` and their ends into `rows`."""
@@ -113,50 +187,19 @@ class DeviceRefill:
         for p in range(self.max_passes):
             if p >= LEAD and not self._still_running(*alive[p - LEAD]):
                 break
-            self._pass()
+            if self.runner.pass_listener is not None:  # tests: a readback per pass
+                self.runner.report_refill_pass(self.buffers.columns[[SLOTS, POSITIONS, DEPTHS]],
+                                               self.buffers.columns[RUNNING] > 0)
+            self.graph.replay()
             alive.append(self._running_flag())
         self._report(rows, results)
 
-    # ------------------------------------------------------------------ device work
-
-    def _pass(self) -> None:
-        runner, running = self.runner, self.running
-        self.depths += running
-        index = self.staged.columns  # [3, R]: the pass graph's and the exit test's static inputs
-        index.copy_(torch.stack([torch.where(running, self.slots, self.dummy),
-                                 torch.where(running, self.positions, 0), torch.where(running, self.depths, 1)]))
-        if runner.pass_listener is not None:  # tests: a readback per pass
-            runner.report_device_pass(index, running)
-        runner.replay_pass(self.staged)
-        exits = self.exit_step.graphs.replay(self.exit_step.exit_test, self.staged) & running
-        runner.finalize_on_device(self.slots, self.positions, torch.where(exits, self.depths, runner.config.max_depth))
-        tokens, logprobs = runner.sample_on_device(torch.where(running, self.slots, self.dummy), self.params, True)
-        outputs = torch.where(exits, self.count, self.max_passes)
-        self.out_tokens[self.rows_index, outputs] = tokens
-        self.out_depths[self.rows_index, outputs] = self.depths
-        self.out_logprobs[self.rows_index, outputs] = logprobs
-        self.count += exits
-        stop = (tokens[:, None] == self.stop_ids).any(dim=1)
-        ends = exits & ((self.indices == self.last) | stop)
-        self.finished |= ends
-        going = exits & ~ends
-        runner.store_tokens(torch.where(exits, self.slots, self.dummy), tokens)
-        self.positions += going
-        self.indices += going
-        self.depths.masked_fill_(going, 0)
-        prelude_slots = torch.where(going, self.slots, self.dummy)
-        runner.embed_on_device(prelude_slots, tokens, self.positions)
-        runner.decode_cursors.exit_values[:, EXIT_STATE].index_fill_(0, prelude_slots, INITIAL_EXIT_STATE)
-        completable = (self.positions + 1 < self.covered) | (self.indices == self.last)
-        self.running &= ~ends & ~(going & ~completable)
-
     def _running_flag(self) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Whether any row still runs after this pass, copied out without waiting (CUDA: pinned + event)."""
-        flag = self.running.any()
         if self.runner.device.type != "cuda":
-            return flag, None
+            return self.buffers.alive.clone(), None
         host = torch.empty((), dtype=torch.bool, pin_memory=True)
-        host.copy_(flag, non_blocking=True)
+        host.copy_(self.buffers.alive, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         return host, event
@@ -167,19 +210,18 @@ class DeviceRefill:
             event.synchronize()
         return bool(flag)
 
-    # ------------------------------------------------------------------ results
-
     def _report(self, rows: _Rows, results: ResultBuilder) -> None:
         """One readback; the outputs in order per row, and each row's position, depth and end into `rows`."""
         n, looping = len(self.looping), self.looping
-        positions, depths, indices, running, finished, count, tokens, exit_depths, logprobs = (
-            v[:n] for v in self.runner.read_back(self.positions, self.depths, self.indices, self.running,
-                                                 self.finished, self.count, self.out_tokens, self.out_depths,
-                                                 self.out_logprobs))
+        columns, outputs, logprobs = self.runner.read_back(self.buffers.columns, self.buffers.outputs,
+                                                           self.buffers.logprobs)
+        columns, tokens, exit_depths, logprobs = columns[:, :n], outputs[0, :n], outputs[1, :n], logprobs[:n]
+        count = columns[COUNT]
         for j in range(int(count.max(initial=0))):
             has = count > j
-            rs = looping[has]
-            results.add(Stage.DECODE, rows.keys[rs], rows.generations[rs], depths=exit_depths[has, j],
+            picked = looping[has]
+            results.add(Stage.DECODE, rows.keys[picked], rows.generations[picked], depths=exit_depths[has, j],
                         tokens=tokens[has, j], logprobs=logprobs[has, j])
-        rows.positions[looping], rows.depths[looping], rows.indices[looping] = positions, depths, indices
-        rows.running[looping], rows.finished[looping] = running, finished
+        rows.positions[looping], rows.depths[looping] = columns[POSITIONS], columns[DEPTHS]
+        rows.indices[looping] = columns[INDICES]
+        rows.running[looping], rows.finished[looping] = columns[RUNNING] > 0, columns[FINISHED] > 0

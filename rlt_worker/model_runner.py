@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -63,6 +64,9 @@ from rlt_worker.prefill_rows import DeviceChunks, HostChunks, PrefillRows
 from rlt_worker.sampler import SamplingTensors, sample
 from rlt_worker.step_results import PendingResult, ResultBuilder
 from rlt_worker.swap import SwapStore
+
+if TYPE_CHECKING:
+    from rlt_worker.device_refill import RefillBuffers
 
 
 class SlotError(RuntimeError):
@@ -131,6 +135,8 @@ class ModelRunner:
         self.temperature = torch.ones(slots, dtype=torch.float64, device=self.device)
         self.top_k = torch.full((slots,), -1, dtype=torch.long, device=self.device)
         self.top_p = torch.ones(slots, dtype=torch.float64, device=self.device)
+        # Each slot's stop tokens as a vocabulary mask (+ the dummy slot's, empty): DeviceRefill's test.
+        self.stop_mask = torch.zeros(slots + 1, info.vocab_size, dtype=torch.bool, device=self.device)
         # Each slot's admitted options, on the host: sampling needs no readback to choose its path
         # (greedy rows: temperature <= 0) or to find a forced token. Set by admit and by a swap import.
         self.slot_options = [SamplingOptions()] * slots
@@ -280,6 +286,9 @@ class ModelRunner:
         self.temperature[slot] = options.temperature
         self.top_k[slot] = options.top_k
         self.top_p[slot] = options.top_p
+        mask = np.zeros(self.stop_mask.shape[1], dtype=bool)
+        mask[[t for t in options.stop_token_ids if 0 <= t < len(mask)]] = True
+        self.upload_into(self.stop_mask[slot], mask)  # pinned, asynchronous: admitting waits for nothing
 
     def forced_tokens(self, slots: np.ndarray, indices: np.ndarray) -> np.ndarray | None:
         """Teacher forcing: each (slot, output index)'s given token, −1 where it samples; None when no
@@ -559,25 +568,22 @@ class ModelRunner:
         """The slot row of graph padding rows (never opened): every per-slot tensor but the options has it."""
         return self.config.max_slots
 
-    def device_pass(self, num_rows: int, max_position: int) -> StagedPass | None:
-        """The pass graph of `num_rows` rows up to `max_position`, its static inputs to be written on the
-        device; None without graphs, for a coda that attends, or when no bucket fits."""
-        if self._graphs is None or self._graphs.coda is None:
+    def refill_graph(self, num_rows: int, max_position: int, exit_test: ExitTest) -> tuple[Any, RefillBuffers] | None:
+        """The device-refill pass of `num_rows` rows up to `max_position` and its bucket's buffers; None
+        without graphs, for a coda that attends, when no bucket fits or capturing failed."""
+        refill = None if self._graphs is None else self._graphs.refill
+        key = None if refill is None else self._graphs.bucket(num_rows, max_position)
+        graph = None if key is None else refill.graph(*key, exit_test)
+        if graph is None:
             return None
-        key = self._graphs.bucket(num_rows, max_position)
-        staged = None if key is None else self._graphs.staged_on_device(key, key[0])
-        self._graphs.stats.device_refill_plans += staged is not None
-        return staged
+        self._graphs.stats.device_refill_plans += 1
+        return graph, refill.buffers[key[0]]
 
-    def report_device_pass(self, columns: torch.Tensor, running: torch.Tensor) -> None:
-        """pass_listener (tests) of a pass whose rows are on the device: its running rows, read back."""
+    def report_refill_pass(self, columns: torch.Tensor, running: torch.Tensor) -> None:
+        """pass_listener (tests) before a device-refill pass: each running row's next loop, read back."""
         assert self.pass_listener is not None
-        host, keep = self.read_back(columns, running)
-        self.pass_listener(*host[:, keep])
-
-    def replay_pass(self, staged: StagedPass) -> None:
-        assert self._graphs is not None
-        self._graphs.replay(staged)
+        (slots, positions, depths), keep = self.read_back(columns, running)
+        self.pass_listener(slots[keep], positions[keep], depths[keep] + 1)
 
     def sample_on_device(self, slots: torch.Tensor, params: SamplingTensors, greedy: bool
                          ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -586,6 +592,10 @@ class ModelRunner:
         positions = torch.zeros_like(slots)  # unread: this coda has no attention
         hidden = self.model.coda(self.state[slots], positions, self.context(slots, positions, None, 1))
         return sample(self.model.lm_head(hidden), params, all_greedy=greedy)
+
+    def is_stop_token(self, slots: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """bool [n]: whether each token is one of its slot's stop tokens (the dummy slot has none)."""
+        return self.stop_mask[slots, tokens]
 
     def store_tokens(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """The tokens a PRELUDE of these slots reads (the slot table's)."""
