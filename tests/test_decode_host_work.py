@@ -141,7 +141,8 @@ def run_on_cuda_graphs(exit_mode: str, jobs: list, monkeypatch: pytest.MonkeyPat
     plan, a fixed-size KV pool: an auto-sized one finds the memory of the file's earlier engines in
     use); the host work counted and the runner's graph counters."""
     with make_llm("toy-ouro", exit_mode=exit_mode, device="cuda", dtype="float32", attention_backend="triton",
-                  num_blocks=256, cuda_graphs=True, loops_per_plan=4 * DEPTH["toy-ouro"], max_num_seqs=4) as llm:
+                  num_blocks=256, cuda_graphs=True, loops_per_plan=4 * DEPTH["toy-ouro"], max_num_seqs=4,
+                  device_refill=False) as llm:  # the host loop's counts (device refill: one readback a plan)
         runner = llm.engine.executor._worker.runner
         with count_host_work(runner, monkeypatch) as work:
             run_workload(llm, jobs)

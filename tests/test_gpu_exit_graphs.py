@@ -47,15 +47,17 @@ def test_graphed_test_equals_eager_bit_for_bit(mode: str, compiled: None) -> Non
         llm.close()
 
 
-def _run(mode: str, exit_graphs: bool) -> tuple[list, dict]:
-    llm = _llm(mode, loops_per_plan=16)
+def _run(mode: str, exit_graphs: bool, device_refill: bool = False, temperatures: tuple[float, ...] = (0.0, 1.0)
+         ) -> tuple[list, dict]:
+    """The host loop's passes by default (device_refill off), whose exit test is what is compared."""
+    llm = _llm(mode, loops_per_plan=16, device_refill=device_refill)
     try:
         runner = llm.engine.executor._worker.runner
         if not exit_graphs:
             runner._graphs.exits.error = "off for the comparison"
         rng = random.Random(f"gpu-exit-graphs-{mode}")
         prompts = [[rng.randrange(256) for _ in range(rng.randint(3, 30))] for _ in range(12)]
-        params = [SamplingParams(max_tokens=rng.randint(8, 24), seed=i, temperature=rng.choice([0.0, 1.0]),
+        params = [SamplingParams(max_tokens=rng.randint(8, 24), seed=i, temperature=rng.choice(temperatures),
                                  exit_threshold=rng.choice([0.3, 0.5, 0.7]), ignore_eos=True) for i in range(12)]
         outputs = llm.generate(prompts, params, use_tqdm=False)
         return [(o.token_ids, o.exit_depths) for o in outputs], runner.graph_stats
@@ -71,3 +73,16 @@ def test_engine_with_graphed_tests_equals_eager_tests(mode: str, compiled: None)
     assert graphed == eager
     assert stats["exit_replays"] == stats["replays"] > 0 and stats["lazy_captures"] == 0
     assert eager_stats["exit_replays"] == 0 and eager_stats["replays"] == stats["replays"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_device_refill_equals_the_host_loop(mode: str, compiled: None) -> None:
+    """DeviceRefill's captured passes (rlt_worker/device_refill.py) against the host loop with graphed
+    tests, greedy rows: the same tokens and exit depths, and the plans ran on the device with no
+    failed capture."""
+    on_device, stats = _run(mode, exit_graphs=True, device_refill=True, temperatures=(0.0,))
+    host, host_stats = _run(mode, exit_graphs=True, temperatures=(0.0,))
+    print(f"{mode}: device refill {stats}\n{mode}: host loop {host_stats}")
+    assert on_device == host
+    assert stats["device_refill_plans"] > 0 and stats["refill_error"] is None
+    assert host_stats["device_refill_plans"] == 0
