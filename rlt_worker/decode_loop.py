@@ -25,6 +25,10 @@ result: such a row `continues`, and starts where the slot's previous row stopped
 exited, output index, exit state: the slot table's `DecodeCursors`, written as every row stops), or
 does nothing if that row ended its request.
 
+Device refill. A batch that qualifies (greedy rows under a graphed gate test on Ouro, graphs on:
+rlt_worker/device_refill.py) runs its passes there instead: exits, boundary work and refill all
+masked on the device, one captured graph per pass, no readback until the plan ends. Otherwise:
+
 The loop itself is host-driven: the host reads back a few bytes per pass to choose the next pass's
 rows (a device test: `DeviceExits`; planned exits, `PlannedExits`, know them on the host, so their
 plan's passes queue on the device one behind the other). Nothing else leaves the device until the
