@@ -8,7 +8,7 @@ import dataclasses
 import random
 
 import pytest
-from factories import DEPTH, Job, assert_matches_reference, make_llm, make_workload, run_workload
+from factories import DEPTH, Driver, Job, assert_matches_reference, make_llm, make_workload, run_workload
 
 from rlt_engine import SamplingParams
 from rlt_engine.config import EngineConfig
@@ -91,12 +91,32 @@ def test_a_stop_token_ends_its_row_at_once() -> None:
 
 def test_rows_stop_where_their_blocks_end() -> None:
     """KV blocks granted on demand from a small pool: a row stops when its next position has no block
-    (and resumes in a later plan); the outputs are the reference's."""
+    (and resumes in a later plan), so no pass writes K/V past a row's blocks; the outputs are the
+    reference's."""
     jobs = _jobs("ouro", n=10)
-    run = _run("ouro", "last_exited", True, jobs, kv_growth="on_demand", block_size=4, num_blocks=32,
-               preemption="swap")
+    outside: list[tuple[int, int]] = []
+    settings = dict(exit_mode="ouro", loops_per_plan=4 * DEPTH["toy-ouro"], max_num_seqs=6, kv_growth="on_demand",
+                    block_size=4, num_blocks=24, preemption="swap")
+    with make_llm("toy-ouro", **settings) as llm:
+        runner = llm.engine.executor._worker.runner
+        runner.config = dataclasses.replace(runner.config, device_refill=True)
+        runner.use_pass_graphs(emulate=True)
+        driver = Driver(llm)
+        record = runner.pass_listener
+
+        def check_blocks(slots, positions, depths):  # noqa: ANN001, ANN202 (the listener's signature)
+            covered = runner.covered_positions(slots)
+            outside.extend((s, p) for s, p, c in zip(slots.tolist(), positions.tolist(), covered.tolist(),
+                                                     strict=True) if p >= c)
+            record(slots, positions, depths)
+
+        runner.pass_listener = check_blocks
+        run = driver.run(jobs)
+        run.assert_resources_returned()
+        stats = runner.graph_stats
     assert_matches_reference(run, "toy-ouro", kv_layout="last_exited", exit_mode="ouro")
-    assert run.graph_stats["device_refill_plans"] > 0
+    assert not outside, f"passes at positions past their blocks (slot, position): {outside}"
+    assert stats["device_refill_plans"] > 0
 
 
 def test_device_refill_is_on_where_pass_graphs_are() -> None:
