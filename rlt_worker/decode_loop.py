@@ -59,8 +59,8 @@ import numpy as np
 import torch
 
 from protocol.messages import DecodeBatch, ExitTest, Stage
-from rlt_worker.device_refill import INITIAL_EXIT_STATE, DeviceRefill
-from rlt_worker.exit_tests import EXIT_STATE
+from rlt_worker.device_refill import DeviceRefill
+from rlt_worker.exit_tests import EXIT_STATE, INITIAL_EXIT_STATE
 from rlt_worker.step_results import ResultBuilder
 
 if TYPE_CHECKING:
@@ -92,6 +92,12 @@ class DecodeCursors:
     def reset(self, slot: int) -> None:
         """A slot opened (admit or swap import): it has no DecodeBatch row behind it yet."""
         self.is_set[slot] = False
+
+    def restart_exit_states(self, device_slots: torch.Tensor) -> None:
+        """A PRELUDE: these slots' positions start over, before their first loop (either decode loop)."""
+        # index_fill_ takes the value as a kernel argument: `[slots, col] = value` copies it to the device
+        # from pageable memory first, which waits for the stream (a sync per boundary on CUDA).
+        self.exit_values[:, EXIT_STATE].index_fill_(0, device_slots, INITIAL_EXIT_STATE)
 
 
 @dataclass
@@ -269,9 +275,7 @@ class DecodeLoop:
         rows.depths[going_on] = 0
         rows.exited[going_on] = False
         device_slots = self.runner.embed_rows(rows.slots[going_on], rows.positions[going_on], rows.seeds[going_on])
-        # index_fill_ takes the value as a kernel argument: `[slots, col] = value` copies it to the device
-        # from pageable memory first, which waits for the stream (a sync per boundary on CUDA).
-        self.runner.decode_cursors.exit_values[:, EXIT_STATE].index_fill_(0, device_slots, INITIAL_EXIT_STATE)
+        self.runner.decode_cursors.restart_exit_states(device_slots)
         self._stop_unless_completable(going_on)
 
     def _stop_unless_completable(self, indices: np.ndarray) -> None:

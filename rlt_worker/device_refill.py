@@ -46,7 +46,7 @@ import torch
 
 from protocol.messages import ExitTest, Stage
 from rlt_worker.exit_graphs import EagerExitStep, GraphedExitStep
-from rlt_worker.exit_tests import EXIT_STATE, make_exit_test
+from rlt_worker.exit_tests import make_exit_test
 from rlt_worker.sampler import SamplingTensors
 
 if TYPE_CHECKING:
@@ -59,7 +59,6 @@ log = logging.getLogger("rlt.worker")
 
 LEAD = 2  # passes queued ahead of the one whose "any row running" flag the host waits for
 MAX_PASSES = 64  # outputs a row may record in one plan (the buffers' width; loops_per_plan is 4·D by default)
-INITIAL_EXIT_STATE = 1.0  # a position's exit state before its first loop (∏ (1 − λ) over no loop)
 # Rows of RefillBuffers.columns (int64 [COLUMNS, R]); RUNNING and FINISHED hold 0 or 1.
 SLOTS, POSITIONS, DEPTHS, INDICES, LAST, COVERED, RUNNING, FINISHED, SEEDS, COUNT = range(10)
 COLUMNS = 10
@@ -141,7 +140,7 @@ class RefillGraphs:
         depths.masked_fill_(going, 0)
         prelude_slots = torch.where(going, slots, dummy)
         runner.embed_on_device(prelude_slots, tokens, positions)
-        runner.decode_cursors.exit_values[:, EXIT_STATE].index_fill_(0, prelude_slots, INITIAL_EXIT_STATE)
+        runner.decode_cursors.restart_exit_states(prelude_slots)
         completable = (positions + 1 < c[COVERED]) | (indices == c[LAST])
         c[FINISHED] |= ends
         c[RUNNING] = running & ~ends & ~(going & ~completable)

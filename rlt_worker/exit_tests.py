@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 # Columns of DecodeCursors.loop_limits (int64) and .exit_values (float64): what a test reads of a slot.
 MIN_LOOPS, MAX_LOOPS = THRESHOLD, EXIT_STATE = range(2)
+INITIAL_EXIT_STATE = 1.0  # a position's exit state before its first loop (∏ (1 − λ) over no loop)
 
 
 @dataclass(frozen=True)
