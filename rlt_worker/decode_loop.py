@@ -359,9 +359,9 @@ class DeviceExits:
         """(the flags on the host, the rows ended by a stop token among the tokens sampled since the
         last readback), in one readback; the stopped rows are finished."""
         sampled, self._unchecked = self._unchecked, []
-        exited, *tokens = runner.read_back(*([] if flags is None else [flags]), *(s.tokens for s in sampled))
-        if flags is None:
-            tokens, exited = [exited, *tokens], None
+        values = runner.read_back(*([] if flags is None else [flags]), *(s.tokens for s in sampled))
+        exited = None if flags is None else values.pop(0)
+        tokens = values
         if not sampled:
             return exited, np.zeros(0, dtype=np.int64)
         tokens = np.concatenate(tokens).tolist()

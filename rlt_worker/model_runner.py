@@ -172,7 +172,7 @@ class ModelRunner:
         prefill = config.prefill_graphs if prefill is None else prefill
         if prefill and config.max_batch_tokens < 1:
             raise ValueError("prefill graphs need the batch token limit (RunnerConfig.max_batch_tokens)")
-        self._graphs = LoopPassGraphs(self, config.max_slots, config.scratch_block, emulate,
+        self._graphs = LoopPassGraphs(self, self.dummy_slot, config.scratch_block, emulate,
                                       prefill_tokens=config.max_batch_tokens if prefill else 0,
                                       exit_tests=config.exit_tests)
 
