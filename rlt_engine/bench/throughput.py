@@ -951,7 +951,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "workloads run with 0, no cap)")
     p.add_argument("--prefill-tokens-per-decoding-row", type=int, default=None,
                    help="raise the prefill cap to this many prompt tokens per decoding request (default: the "
-                        "engine's, 0)")
+                        "engine's, 16)")
     p.add_argument("--loops-per-plan", type=int, default=0, help="0 = the engine's default (4·D on CUDA, 1 on CPU)")
     p.add_argument("--max-plans-in-flight", type=int, default=0, choices=(0, 1, 2),
                    help="2: pipelined plans, 1: synchronous, 0 = the engine's default (2 on CUDA, 1 on CPU)")
