@@ -67,17 +67,18 @@ def exit_distribution(hazards: torch.Tensor) -> torch.Tensor:
     return torch.cat([exits[:-1], before[-1:]])
 
 
-FLOOR_SHAPES = ("uniform", "depth")
+FLOOR_SHAPES = ("uniform", "depth", "square")
 
 
 def floor_prior(depth: int, shape: str, like: torch.Tensor) -> torch.Tensor:
-    """The floor's share per loop, [D, 1, 1], summing to 1: uniform 1/D, or depth d / Σ d (a deeper loop
-    gets more of the LM weight, so the last loop, which the exit distribution weighs least when the gate
-    exits early, still gets the most: runs 2 and 3 ended with loop 4 0.1–0.5% above loop 3 under uniform)."""
+    """The floor's share per loop, [D, 1, 1], summing to 1: uniform 1/D, depth d / Σ d or square d² / Σ d²
+    (a deeper loop gets more of the LM weight, so the last loop, which the exit distribution weighs least
+    when the gate exits early, still gets the most: runs 2 and 3 ended with loop 4 0.1–0.5% above loop 3
+    under uniform, run 4 0.07% above under depth)."""
     if shape not in FLOOR_SHAPES:
         raise ValueError(f"floor shape {shape!r}: expected one of {', '.join(FLOOR_SHAPES)}")
     d = torch.arange(1, depth + 1, dtype=like.dtype, device=like.device)
-    share = torch.ones_like(d) if shape == "uniform" else d
+    share = d ** FLOOR_SHAPES.index(shape)
     return (share / share.sum()).view(depth, *([1] * (like.dim() - 1)))
 
 

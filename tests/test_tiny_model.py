@@ -235,6 +235,8 @@ def test_exit_floor_and_detached_gate_split_the_objective() -> None:
     _, _, dl3, dh3 = grads(floor=0.5, detach_gate=True, floor_shape="depth")
     assert torch.allclose(dl3, 0.5 * p + 0.5 * torch.tensor([0.1, 0.2, 0.3, 0.4]))  # the floor ∝ d
     assert torch.allclose(dh3, dh0)  # the floor's shape never reaches the gate
+    _, _, dl4, _ = grads(floor=0.5, detach_gate=True, floor_shape="square")
+    assert torch.allclose(dl4, 0.5 * p + 0.5 * torch.tensor([1.0, 4.0, 9.0, 16.0]) / 30)  # the floor ∝ d²
     with pytest.raises(ValueError, match="floor shape"):
         grads(floor=0.5, floor_shape="linear")
 
