@@ -32,8 +32,7 @@ from protocol.columns import F64, I32, I64, U64, Columnar
 #    WorkerConfig.exit_tests (the DecodeBatch exit tests whose CUDA graphs the worker captures at start-up).
 # 10: WorkerConfig.launch_pdl (the decode pass's Triton kernels with programmatic dependent launch).
 # 11: WorkerConfig.device_refill (gate exits' passes with no readback between them).
-# 12: WorkerConfig.cuda_graph_conditionals (a device-refill pass skips its boundary work where no row exits).
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 11
 
 
 class Stage(enum.IntEnum):
@@ -105,7 +104,6 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     exit_tests: tuple[int, ...] = ()
     launch_pdl: bool = False  # the decode pass's Triton kernels with programmatic dependent launch (sm_90+)
     device_refill: bool = False  # gate exits, CODA and refill of greedy rows on the device (needs cuda_graphs)
-    cuda_graph_conditionals: bool = False  # device refill: the boundary work under an IF node on "any row exits"
 
 
 class WorkerHello(msgspec.Struct, tag=True, array_like=True, kw_only=True):

@@ -87,11 +87,6 @@ class EngineConfig:
     device_refill: bool = _opt(True, "gate exits (ouro) of greedy rows: the exit test, CODA, sampling and the "
                                       "next token's PRELUDE run on the device for every row at every pass, so a "
                                       "plan's passes queue with no readback between them (needs cuda_graphs)")
-    cuda_graph_conditionals: bool = _opt(True, "device refill: a pass's boundary work (CODA, sampling, the next "
-                                               "PRELUDE) sits under a CUDA graph IF node on 'some row exits', "
-                                               "so a pass in which none does skips it on the device (needs "
-                                               "device_refill and a torch with conditional nodes; "
-                                               "--no-cuda-graph-conditionals for A/B)")
     cuda_graph_capture: str = _opt("startup", "when decode-pass graphs are captured: startup (every row × width "
                                               "bucket before the worker reports ready, so no capture lands in a "
                                               "request) or lazy (a bucket at its first use)")
@@ -172,7 +167,6 @@ class EngineConfig:
             cuda_graphs=graphs, cuda_graph_prefill=self.cuda_graph_prefill and graphs, fused_layers=fused,
             launch_pdl=pdl, loops_per_plan=loops_per_plan, max_plans_in_flight=in_flight,
             device_refill=self.device_refill and graphs,
-            cuda_graph_conditionals=self.cuda_graph_conditionals and self.device_refill and graphs,
         )
 
     def worker_config(self, device: str) -> WorkerConfig:
@@ -198,7 +192,6 @@ class EngineConfig:
             exit_tests=worker_exit_tests(self.exit_mode),
             launch_pdl=self.launch_pdl,
             device_refill=self.device_refill,
-            cuda_graph_conditionals=self.cuda_graph_conditionals,
         )
 
 

@@ -24,10 +24,8 @@ the flags is decided by masks on the device instead. One pass, captured as one C
 Every operation is the host path's on the same rows (the same pass, exit test, finalize kernel,
 coda, head and sampler), so tokens and exit depths are the host loop's; only the head GEMM's row
 count (the bucket's, not the exits') differs, which batch invariance does not cover on CUDA. The
-price is CODA for every row at every pass in which some row exits, instead of once per token: the
-head's weight is read per such pass (0.12 ms for greedy at 1 row on the H200). A pass in which no row
-exits skips the whole boundary work on the device, under a CUDA graph IF node on "any row exits"
-(rlt_worker/graph_conditionals.py, `cuda_graph_conditionals`); without it the work runs masked.
+price is CODA for every row at every pass instead of once per token: the head's weight is read per
+pass (0.12 ms for greedy at 1 row on the H200).
 
 The buffers live per rows bucket for the worker's life (the graphs read them at fixed addresses);
 graphs are captured at a bucket's first use (`lazy_captures`). When it runs (`DeviceRefill.plan`,
@@ -49,7 +47,6 @@ import torch
 from protocol.messages import ExitTest, Stage
 from rlt_worker.exit_graphs import EagerExitStep, GraphedExitStep
 from rlt_worker.exit_tests import make_exit_test
-from rlt_worker.graph_conditionals import make_graph_if
 from rlt_worker.sampler import SamplingTensors
 
 if TYPE_CHECKING:
@@ -91,8 +88,6 @@ class RefillGraphs:
         self.runner = passes.runner
         self.buffers = {b: RefillBuffers(b, self.runner.device) for b in passes.row_buckets}
         self._graphs: dict[tuple[int, int, ExitTest], Any] = {}
-        self.when = make_graph_if(self.runner.config.graph_conditionals, passes.emulate)
-        passes.stats.refill_conditional = self.when.name
         self.error: str | None = None  # a capture failed: DecodeBatches take the host loop from now on
 
     def graph(self, rows: int, width: int, exit_test: ExitTest) -> Any:
@@ -122,7 +117,7 @@ class RefillGraphs:
         """The captured function: one pass of the bucket's rows with its boundary work (module docstring)."""
         runner, passes, b = self.runner, self.passes, self.buffers[rows]
         c, dummy = b.columns, runner.dummy_slot
-        slots, positions, depths = c[SLOTS], c[POSITIONS], c[DEPTHS]
+        slots, positions, depths, indices = c[SLOTS], c[POSITIONS], c[DEPTHS], c[INDICES]
         running = c[RUNNING] > 0
         depths += running
         index = passes.static_rows(rows)  # the loop pass's static inputs, read by the test too
@@ -130,17 +125,8 @@ class RefillGraphs:
                                  torch.where(running, depths, 1)]))
         passes._pass(rows, width)
         exits = test.apply(runner, index[0], index[1], index[2], passes.max_width, None) & running
-        # Where no row exits the boundary work changes nothing a real row owns: skipped under an IF node.
-        self.when(exits.any(), functools.partial(self._boundary, b, index[0], running, exits))
-        b.alive.copy_(c[RUNNING].any())
-
-    def _boundary(self, b: RefillBuffers, pass_slots: torch.Tensor, running: torch.Tensor,
-                  exits: torch.Tensor) -> None:
-        """FINALIZE, CODA and sampling of the exits, their outputs and ends, the next PRELUDE of the others."""
-        runner, c, dummy = self.runner, b.columns, self.runner.dummy_slot
-        slots, positions, depths, indices = c[SLOTS], c[POSITIONS], c[DEPTHS], c[INDICES]
         runner.finalize_on_device(slots, positions, torch.where(exits, depths, runner.config.max_depth))
-        tokens, logprobs = runner.sample_on_device(pass_slots, b.params, True)
+        tokens, logprobs = runner.sample_on_device(index[0], b.params, True)
         at = torch.where(exits, c[COUNT], MAX_PASSES)  # the rows that did not exit write the spare column
         b.outputs[0, b.row_index, at] = tokens
         b.outputs[1, b.row_index, at] = depths
@@ -158,6 +144,7 @@ class RefillGraphs:
         completable = (positions + 1 < c[COVERED]) | (indices == c[LAST])
         c[FINISHED] |= ends
         c[RUNNING] = running & ~ends & ~(going & ~completable)
+        b.alive.copy_(c[RUNNING].any())
 
 
 class DeviceRefill:

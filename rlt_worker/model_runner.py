@@ -92,7 +92,6 @@ class RunnerConfig:
     exit_tests: tuple[ExitTest, ...] = ()  # the DecodeBatch exit tests whose graphs are captured with the passes'
     kernel_launch: KernelLaunch = PLAIN  # how the attention backend's Triton kernels launch (PDL or not)
     device_refill: bool = False  # gate exits' passes with no readback between them (rlt_worker/device_refill.py)
-    graph_conditionals: bool = False  # device refill skips a pass's boundary work where no row exits (IF node)
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,6 @@ class Worker:
             exit_tests=tuple(ExitTest(t) for t in config.exit_tests),
             kernel_launch=launch,
             device_refill=config.device_refill,
-            graph_conditionals=config.cuda_graph_conditionals,
         )
         self.runner = ModelRunner(model, storage, runner_config)
         log.info("worker %d ready on %s: %d KV blocks, %d planes", self.index, device, num_blocks, planes)

@@ -8,12 +8,10 @@ import dataclasses
 import random
 
 import pytest
-import torch
 from factories import DEPTH, Driver, Job, assert_matches_reference, make_llm, make_workload, run_workload
 
 from rlt_engine import SamplingParams
 from rlt_engine.config import EngineConfig
-from rlt_worker.graph_conditionals import AlwaysRun, HostIf, make_graph_if
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -25,13 +23,11 @@ def _jobs(mode: str, n: int = 8) -> list:
                          spread=1)
 
 
-def _run(mode: str, layout: str, device_refill: bool, jobs: list, conditionals: bool = True, **options: object):
-    """`conditionals`: the boundary work under the emulated IF node (HostIf: skipped where no row exits)."""
+def _run(mode: str, layout: str, device_refill: bool, jobs: list, **options: object):
     settings = dict(exit_mode=mode, kv_layout=layout, loops_per_plan=4 * DEPTH["toy-ouro"], max_num_seqs=6)
     with make_llm("toy-ouro", **(settings | options)) as llm:
         runner = llm.engine.executor._worker.runner
-        runner.config = dataclasses.replace(runner.config, device_refill=device_refill,
-                                            graph_conditionals=conditionals)
+        runner.config = dataclasses.replace(runner.config, device_refill=device_refill)
         runner.use_pass_graphs(emulate=True)
         run = run_workload(llm, jobs)
         run.assert_resources_returned()
@@ -55,41 +51,9 @@ def test_device_refill_equals_the_host_loop_and_the_reference(mode: str, layout:
     host = _run(mode, layout, False, jobs)
     assert _finals(on_device) == _finals(host)
     assert_matches_reference(on_device, "toy-ouro", kv_layout=layout, exit_mode=mode)
-    assert on_device.graph_stats["device_refill_plans"] > 0 and on_device.graph_stats["refill_conditional"] == "host"
+    assert on_device.graph_stats["device_refill_plans"] > 0
     assert host.graph_stats["device_refill_plans"] == 0
     assert any(life.final.finish_reason == "stop" for life in on_device.lives)
-
-
-def test_the_boundary_work_runs_only_in_passes_where_a_row_exits() -> None:
-    """The emulated IF node runs the boundary work in some passes and skips it in others, and the outputs
-    are those of running it in every pass (conditionals off) and the reference's."""
-    jobs = _jobs("ouro")
-    flags: list[bool] = []
-    record = HostIf.__call__
-
-    def counting(self, flag, body):  # noqa: ANN001, ANN202 (HostIf's signature)
-        flags.append(bool(flag))
-        record(self, flag, body)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(HostIf, "__call__", counting)
-        skipping = _run("ouro", "last_exited", True, jobs)
-    always = _run("ouro", "last_exited", True, jobs, conditionals=False)
-    assert any(flags) and not all(flags), f"{sum(flags)} of {len(flags)} passes had an exit"
-    assert _finals(skipping) == _finals(always)
-    assert always.graph_stats["refill_conditional"] == "off"
-    assert_matches_reference(skipping, "toy-ouro", kv_layout="last_exited", exit_mode="ouro")
-
-
-def test_graph_if_strategies() -> None:
-    """HostIf runs the body only where the flag is set, AlwaysRun always; off or emulated picks them."""
-    ran: list[int] = []
-    for strategy, flag, runs in ((HostIf(), False, 0), (HostIf(), True, 1), (AlwaysRun(), False, 1)):
-        ran.clear()
-        strategy(torch.tensor(flag), lambda: ran.append(1))
-        assert len(ran) == runs, (strategy.name, flag)
-    assert isinstance(make_graph_if(False, emulate=True), AlwaysRun)
-    assert isinstance(make_graph_if(True, emulate=True), HostIf)
 
 
 def test_sampled_rows_keep_the_host_loop() -> None:
@@ -162,6 +126,3 @@ def test_device_refill_is_on_where_pass_graphs_are() -> None:
     assert not EngineConfig(device="cuda", attention_backend="torch").resolved().device_refill
     assert not EngineConfig(device="cpu").resolved().device_refill
     assert not EngineConfig(device="cuda", device_refill=False).resolved().worker_config("cuda").device_refill
-    assert cuda.worker_config("cuda").cuda_graph_conditionals
-    assert not EngineConfig(device="cuda", device_refill=False).resolved().cuda_graph_conditionals
-    assert not EngineConfig(device="cpu").resolved().cuda_graph_conditionals

@@ -482,7 +482,6 @@ class Grid:
                        loops_per_plan=a.loops_per_plan, enable_prefix_caching=mode != "shared_prefix_uncached",
                        max_plans_in_flight=a.max_plans_in_flight, mixed_batches=mode.endswith(MIXED))
         for flag in ("cuda_graphs", "cuda_graph_prefill", "fused_layers", "launch_pdl", "device_refill",
-                     "cuda_graph_conditionals",
                      "max_prefill_tokens_while_decoding", "prefill_tokens_per_decoding_row"):  # None: the engine's
             if getattr(a, flag) is not None:
                 options[flag] = getattr(a, flag)
@@ -948,9 +947,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--device-refill", action=argparse.BooleanOptionalAction, default=None,
                    help="gate exits, CODA and refill of greedy rows on the device, no readback between a plan's "
                         "passes (default: the engine's)")
-    p.add_argument("--cuda-graph-conditionals", action=argparse.BooleanOptionalAction, default=None,
-                   help="device refill: a pass's boundary work under a CUDA graph IF node, skipped where no row "
-                        "exits (default: the engine's)")
     p.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None,
                    help="prompt tokens per step while a request decodes (default: the engine's; the *_uncapped "
                         "workloads run with 0, no cap)")
@@ -1013,7 +1009,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "gate_output_len": args.gate_output_len,
         "cuda_graphs": args.cuda_graphs, "cuda_graph_prefill": args.cuda_graph_prefill,
         "fused_layers": args.fused_layers, "launch_pdl": args.launch_pdl, "device_refill": args.device_refill,
-        "cuda_graph_conditionals": args.cuda_graph_conditionals,
         "loops_per_plan": args.loops_per_plan,
         "max_plans_in_flight": EngineConfig(device=args.device, max_plans_in_flight=args.max_plans_in_flight)
         .resolved().max_plans_in_flight,
