@@ -669,7 +669,6 @@ class Grid:
                              for k in ("replays", "eager_passes", "mixed_passes", "captures", "capture_s", "rows",
                                        "padded_rows", "prefill_replays", "prefill_eager", "prefill_rows",
                                        "prefill_padded_rows", "exit_replays", "exit_eager", "device_refill_plans")}
-            config.graphs["refill_conditional"] = graphs_after["refill_conditional"]
             log(f"   c={c} graph counters: {config.graphs}")
         kv = engine.kv_managers[0]
         config.memory["kv_pool_gib"] = _kv_pool_bytes(engine.model_info, kv.num_blocks, a.block_size,
