@@ -1,5 +1,6 @@
 """Where one request's decode time goes at c = 1, ouro against trace: GPU busy against idle (the profiler's
-kernel intervals: their union, and the gaps between them over 20 µs) and the host's Python (cProfile).
+kernel intervals: their union, and the gaps between them over 20 µs), the kernels by total GPU time, and
+the host's Python (cProfile).
 
     python scripts/profile_ouro_gap.py OUT_DIR     # CUDA; writes OUT_DIR/ouro_gap.json
 
@@ -26,6 +27,7 @@ from rlt_engine.bench.throughput import OURO_THRESHOLD, Workload, make_jobs
 from rlt_engine.llm import LLM
 
 GAP_US = 20.0
+TOP_KERNELS = 25  # kernels by total GPU time in the profiled request
 
 
 def run_request(engine, job, request_id: str) -> tuple[int, float]:
@@ -52,9 +54,16 @@ def kernel_timeline(prof) -> dict[str, float]:
             end = max(end, e)
     busy += end - start
     big = [g for g in gaps if g > GAP_US]
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:TOP_KERNELS]
     return {"profiled_span_ms": (spans[-1][1] - spans[0][0]) / 1e3, "gpu_busy_ms": busy / 1e3,
             "gaps_over_20us": len(big), "gap_ms_over_20us": sum(big) / 1e3,
-            "gap_median_us": statistics.median(big) if big else 0.0}
+            "gap_median_us": statistics.median(big) if big else 0.0, "kernels": len(spans),
+            "top_kernels": [{"name": name[:90], "count": len(d), "total_ms": round(sum(d) / 1e3, 3)}
+                            for name, d in top]}
 
 
 def cprofile_table(fn, sort: str, lines: int) -> str:
