@@ -61,7 +61,7 @@ import torch
 from protocol.messages import DecodeBatch, ExitTest, Stage
 from rlt_worker.device_refill import DeviceRefill
 from rlt_worker.exit_tests import EXIT_STATE, INITIAL_EXIT_STATE
-from rlt_worker.step_results import ResultBuilder
+from rlt_worker.step_results import HostCopies, ResultBuilder
 
 if TYPE_CHECKING:
     from rlt_worker.exit_graphs import EagerExitStep
@@ -83,6 +83,10 @@ class DecodeCursors:
         self.indices = np.zeros(num_slots, dtype=np.int64)
         self.ended = np.zeros(num_slots, dtype=bool)  # a token ended the slot's request
         self.is_set = np.zeros(num_slots, dtype=bool)  # the slot has run a DecodeBatch row
+        self.epochs = np.zeros(num_slots, dtype=np.int64)  # times the slot opened: a landing skips reopened slots
+        # Device-refill plans whose rows' stops have not landed on the host yet, in plan order: the
+        # host columns above are theirs only after `settle`.
+        self.pending: list[_Landing] = []
         # What the exit test reads of each slot, gathered once per pass (columns: rlt_worker/exit_tests.py):
         # int64 [slots + 1, 2] min_loops and max_loops; float64 [slots + 1, 2] threshold and exit state
         # (the test's, as the rows run). Row `slots` is the dummy slot's: graph padding rows use it.
@@ -92,6 +96,15 @@ class DecodeCursors:
     def reset(self, slot: int) -> None:
         """A slot opened (admit or swap import): it has no DecodeBatch row behind it yet."""
         self.is_set[slot] = False
+        self.epochs[slot] += 1
+
+    def settle(self, upto: _Landing | None = None) -> None:
+        """Land the pending device-refill plans in order: all of them, or up to and including `upto`."""
+        while self.pending:
+            landing = self.pending.pop(0)
+            landing.land()
+            if landing is upto:
+                return
 
     def restart_exit_states(self, device_slots: torch.Tensor) -> None:
         """A PRELUDE: these slots' positions start over, before their first loop (either decode loop)."""
@@ -127,10 +140,20 @@ class DecodeLoop:
         self.batch = batch
         self.exits = (PlannedExits(batch) if batch.exit_test == ExitTest.PLANNED
                       else DeviceExits(runner.exit_step(batch.exit_test)))
-        self.rows = self._rows(batch)
+        slots = np.asarray(runner.slots_of(batch.col("keys"), batch.col("generations")), dtype=np.int64)
+        continues = batch.col("continues") > 0
+        self.resumed = None if isinstance(self.exits, PlannedExits) else DeviceRefill.resume(
+            runner, self.exits.exit_step, batch.refill, slots, continues, batch.max_passes)
+        if self.resumed is None:  # these rows go on from the host's cursors, once every plan has landed
+            runner.refill_resident = None
+            runner.decode_cursors.settle()
+        self.rows = self._rows(batch, slots, continues)
 
     def run(self, results: ResultBuilder) -> None:
         """Passes until every row has stopped or `max_passes` ran; every row's tokens and end into `results`."""
+        if self.resumed is not None:
+            self._run_on_device(self.resumed, results)
+            return
         rows = self.rows
         # Rows whose prompt's last chunk rides the passes (mixed batches) enter exited but wait for it.
         behind_prefill = rows.running & rows.exited & np.isin(rows.slots, self.runner.riding_slots)
@@ -139,11 +162,24 @@ class DecodeLoop:
         self._boundary(np.flatnonzero(rows.running & rows.exited & ~behind_prefill), results)
         on_device = None if len(waiting) else self._on_device()
         if on_device is not None:
-            on_device.run(rows, results)
-        else:
-            self._host_passes(waiting, results)
+            self._run_on_device(on_device, results)
+            return
+        self._host_passes(waiting, results)
         self._report_ends(results)
         self._save_cursors()
+
+    def _run_on_device(self, refill: DeviceRefill, results: ResultBuilder) -> None:
+        """The passes on the device; the rows' outputs and ends land when the result is built, or when
+        a later plan needs the host's cursors (DecodeCursors.settle), whichever comes first."""
+        landing = _Landing(self, refill, refill.run(self.rows))
+        cursors = self.runner.decode_cursors
+        cursors.pending.append(landing)
+
+        def landed_rows() -> list[dict[str, object]]:
+            cursors.settle(upto=landing)
+            return landing.sink.parts()
+
+        results.defer(landed_rows, landing.copies.event)
 
     def _on_device(self) -> DeviceRefill | None:
         """The batch's passes with exits and refill on the device, when they qualify (device_refill.py)."""
@@ -175,9 +211,9 @@ class DecodeLoop:
 
     # ------------------------------------------------------------------ setup
 
-    def _rows(self, batch: DecodeBatch) -> _Rows:
+    def _rows(self, batch: DecodeBatch, slots: np.ndarray, continues: np.ndarray) -> _Rows:
+        """The batch's rows; resumed rows keep the batch's (stale) columns until their plan lands."""
         runner = self.runner
-        slots = np.asarray(runner.slots_of(batch.col("keys"), batch.col("generations")), dtype=np.int64)
         options = [runner.slot_options[slot] for slot in slots.tolist()]
         n = len(slots)
         rows = _Rows(
@@ -189,9 +225,11 @@ class DecodeLoop:
             stop_ids=[frozenset(o.stop_token_ids) for o in options],
             running=np.ones(n, dtype=bool), finished=np.zeros(n, dtype=bool),
         )
-        continues = batch.col("continues") > 0
-        self._continue_rows(rows, np.flatnonzero(continues))
-        self._write_exit_inputs(batch, slots, continues)
+        if self.resumed is None:
+            self._continue_rows(rows, np.flatnonzero(continues))
+            self._write_exit_inputs(batch, slots, continues)
+        else:
+            rows.exited[:] = False  # a device-refill row never stops exited
         return rows
 
     def _write_exit_inputs(self, batch: DecodeBatch, slots: np.ndarray, continues: np.ndarray) -> None:
@@ -290,26 +328,52 @@ class DecodeLoop:
 
     # ------------------------------------------------------------------ results
 
-    def _report_ends(self, results: ResultBuilder) -> None:
-        """Where each row whose request goes on stopped: RECURRENT (looping) or EXITED."""
+    def _report_ends(self, results: ResultBuilder, exit_states: np.ndarray | None = None) -> None:
+        """Where each row whose request goes on stopped: RECURRENT (looping) or EXITED (`exit_states`:
+        every row's, landed on the host; None: read on the device)."""
         rows = self.rows
         looping = np.flatnonzero(~rows.finished & ~rows.exited)
         exited = np.flatnonzero(~rows.finished & rows.exited)
         if len(looping):
-            (device_slots,) = self.runner.upload(rows.slots[looping])
-            states = self.runner.decode_cursors.exit_values[device_slots, EXIT_STATE]
+            if exit_states is None:
+                (device_slots,) = self.runner.upload(rows.slots[looping])
+                states = self.runner.decode_cursors.exit_values[device_slots, EXIT_STATE]
+            else:
+                states = exit_states[looping]
             results.add(Stage.RECURRENT, rows.keys[looping], rows.generations[looping], depths=rows.depths[looping],
                         exit_states=states)
         if len(exited):
             results.add(Stage.EXITED, rows.keys[exited], rows.generations[exited], depths=rows.depths[exited])
 
-    def _save_cursors(self) -> None:
-        """Where every row stopped, for a pipelined row of the next plan that continues it."""
+    def _save_cursors(self, epochs: np.ndarray | None = None) -> None:
+        """Where every row stopped, for a pipelined row of the next plan that continues it (`epochs`:
+        the slots' when the plan ran; a slot opened again since is left alone)."""
         rows, cursors = self.rows, self.runner.decode_cursors
-        slots = rows.slots
-        cursors.positions[slots], cursors.depths[slots] = rows.positions, rows.depths
-        cursors.exited[slots], cursors.indices[slots] = rows.exited, rows.indices
-        cursors.ended[slots], cursors.is_set[slots] = rows.finished, True  # exit states: in exit_values already
+        keep = slice(None) if epochs is None else cursors.epochs[rows.slots] == epochs
+        slots = rows.slots[keep]
+        cursors.positions[slots], cursors.depths[slots] = rows.positions[keep], rows.depths[keep]
+        cursors.exited[slots], cursors.indices[slots] = rows.exited[keep], rows.indices[keep]
+        cursors.ended[slots], cursors.is_set[slots] = rows.finished[keep], True  # exit states: in exit_values
+
+
+class _Landing:
+    """A device-refill plan's rows on the host: outputs, ends and cursors, once its copies are waited
+    for (`land`, once: when its result is built or a later plan settles the cursors)."""
+
+    def __init__(self, loop: DecodeLoop, refill: DeviceRefill, copies: HostCopies) -> None:
+        self.loop, self.refill, self.copies = loop, refill, copies
+        self.epochs = loop.runner.decode_cursors.epochs[loop.rows.slots].copy()
+        self.sink = ResultBuilder(step_id=-1)  # a collector: its parts take the plan's place in its result
+        self.landed = False
+
+    def land(self) -> None:
+        if self.landed:
+            return
+        self.landed = True
+        loop = self.loop
+        exit_states = self.refill.land(loop.rows, self.copies.wait(), self.sink)
+        loop._report_ends(self.sink, exit_states)
+        loop._save_cursors(self.epochs)
 
 
 @dataclass

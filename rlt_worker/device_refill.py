@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -46,14 +47,14 @@ import torch
 
 from protocol.messages import ExitTest, Stage
 from rlt_worker.exit_graphs import EagerExitStep, GraphedExitStep
-from rlt_worker.exit_tests import make_exit_test
+from rlt_worker.exit_tests import EXIT_STATE, make_exit_test
 from rlt_worker.sampler import SamplingTensors
 
 if TYPE_CHECKING:
     from rlt_worker.cuda_graphs import LoopPassGraphs
     from rlt_worker.decode_loop import _Rows
     from rlt_worker.model_runner import ModelRunner
-    from rlt_worker.step_results import ResultBuilder
+    from rlt_worker.step_results import HostCopies, ResultBuilder
 
 log = logging.getLogger("rlt.worker")
 
@@ -88,6 +89,7 @@ class RefillGraphs:
         self.runner = passes.runner
         self.buffers = {b: RefillBuffers(b, self.runner.device) for b in passes.row_buckets}
         self._graphs: dict[tuple[int, int, ExitTest], Any] = {}
+        self.resident: ResidentRows | None = None  # the last device-refill plan's rows (DeviceRefill.resume)
         self.error: str | None = None  # a capture failed: DecodeBatches take the host loop from now on
 
     def graph(self, rows: int, width: int, exit_test: ExitTest) -> Any:
@@ -147,13 +149,42 @@ class RefillGraphs:
         b.alive.copy_(c[RUNNING].any())
 
 
+@dataclass
+class ResidentRows:
+    """The last device-refill plan's rows. Their bucket's columns hold where each stopped (position,
+    depth, output index, finished), which the host learns only when that plan's copies land; a next
+    plan whose rows are these, in this order, all continuing, resumes them there (`DeviceRefill.resume`)."""
+
+    buffers: RefillBuffers
+    slots: np.ndarray
+    exit_test: ExitTest
+    position_bound: int  # ≥ every row's position (a pass advances a position by at most one)
+
+
 class DeviceRefill:
     """One plan's passes through its bucket's RefillBuffers and graph."""
 
-    def __init__(self, runner: ModelRunner, graph: Any, buffers: RefillBuffers, rows: _Rows, looping: np.ndarray,
-                 max_passes: int) -> None:
+    def __init__(self, runner: ModelRunner, graph: Any, buffers: RefillBuffers, looping: np.ndarray,
+                 max_passes: int, exit_test: ExitTest, position_bound: int) -> None:
         self.runner, self.graph, self.buffers = runner, graph, buffers
         self.looping, self.max_passes = looping, max_passes
+        self.exit_test, self.position_bound = exit_test, position_bound
+
+    @classmethod
+    def plan(cls, runner: ModelRunner, exit_step: EagerExitStep, refill: bool, rows: _Rows, looping: np.ndarray,
+             max_passes: int) -> DeviceRefill | None:
+        """The batch's passes on the device when they qualify (module docstring), its rows uploaded;
+        else None."""
+        if not (len(looping) and cls._qualifies(runner, exit_step, refill, rows.slots[looping], max_passes)):
+            return None
+        if runner.forced_tokens(rows.slots[looping], rows.indices[looping]) is not None:
+            return None
+        # Positions advance at most one a pass: the widest context any pass of the plan can need.
+        bound = int(rows.positions[looping].max())
+        found = runner.refill_graph(len(looping), bound + max_passes, exit_step.exit_test)
+        if found is None:
+            return None
+        graph, buffers = found
         bucket, n = buffers.columns.shape[1], len(looping)
         host = np.zeros((COLUMNS, bucket), dtype=np.int64)
         host[SLOTS], host[LAST] = runner.dummy_slot, -1
@@ -163,25 +194,42 @@ class DeviceRefill:
             host[row, :n] = values[looping]
         host[RUNNING, :n] = 1
         runner.upload_into(buffers.columns, host)
+        return cls(runner, graph, buffers, looping, max_passes, exit_step.exit_test, bound)
 
     @classmethod
-    def plan(cls, runner: ModelRunner, exit_step: EagerExitStep, refill: bool, rows: _Rows, looping: np.ndarray,
-             max_passes: int) -> DeviceRefill | None:
-        """The batch's passes on the device when they qualify (module docstring), else None."""
-        if not (runner.config.device_refill and refill and len(looping) and max_passes <= MAX_PASSES
-                and isinstance(exit_step, GraphedExitStep)):
+    def resume(cls, runner: ModelRunner, exit_step: EagerExitStep, refill: bool, slots: np.ndarray,
+               continues: np.ndarray, max_passes: int) -> DeviceRefill | None:
+        """The batch's passes resumed where the last device-refill plan left its rows, when these are
+        its rows in its order, all continuing, and the batch qualifies; else None. Nothing is read back:
+        only the rows' covered positions go up, and the device restarts the rows that may run."""
+        resident = runner.refill_resident
+        if (resident is None or not continues.all() or not np.array_equal(slots, resident.slots)
+                or getattr(exit_step, "exit_test", None) != resident.exit_test
+                or not cls._qualifies(runner, exit_step, refill, slots, max_passes)
+                or any(runner.slot_options[s].forced_tokens is not None for s in slots.tolist())):
             return None
-        slots = rows.slots[looping]
-        if (runner.has_riding_loops or not runner.host_greedy[slots].all()
-                or runner.forced_tokens(slots, rows.indices[looping]) is not None):
+        found = runner.refill_graph(len(slots), resident.position_bound + max_passes, resident.exit_test)
+        if found is None or found[1] is not resident.buffers:
             return None
-        # Positions advance at most one a pass: the widest context any pass of the plan can need.
-        found = runner.refill_graph(len(looping), int(rows.positions[looping].max()) + max_passes,
-                                    exit_step.exit_test)
-        return None if found is None else cls(runner, *found, rows, looping, max_passes)
+        runner.count_refill_resumed()
+        c, n = resident.buffers.columns, len(slots)
+        (covered,) = runner.upload(runner.covered_positions(slots))
+        c[COVERED, :n] = covered
+        c[COUNT].zero_()
+        c[RUNNING] = (c[FINISHED] == 0) & ((c[POSITIONS] + 1 < c[COVERED]) | (c[INDICES] == c[LAST]))
+        return cls(runner, found[0], resident.buffers, np.arange(n), max_passes, resident.exit_test,
+                   resident.position_bound)
 
-    def run(self, rows: _Rows, results: ResultBuilder) -> None:
-        """Up to max_passes passes, then the rows' outputs into `results` and their ends into `rows`."""
+    @staticmethod
+    def _qualifies(runner: ModelRunner, exit_step: EagerExitStep, refill: bool, slots: np.ndarray,
+                   max_passes: int) -> bool:
+        return (runner.config.device_refill and refill and max_passes <= MAX_PASSES
+                and isinstance(exit_step, GraphedExitStep) and not runner.has_riding_loops
+                and bool(runner.host_greedy[slots].all()))
+
+    def run(self, rows: _Rows) -> HostCopies:
+        """Up to max_passes passes; returns the looping rows' columns and outputs and every row's exit
+        state on their way to the host, nothing waited for at the end."""
         alive: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
         for p in range(self.max_passes):
             if p >= LEAD and not self._still_running(*alive[p - LEAD]):
@@ -191,7 +239,12 @@ class DeviceRefill:
                                                self.buffers.columns[RUNNING] > 0)
             self.graph.replay()
             alive.append(self._running_flag())
-        self._report(rows, results)
+        self.runner.refill_resident = ResidentRows(self.buffers, rows.slots[self.looping], self.exit_test,
+                                                   self.position_bound + len(alive))
+        n, b = len(self.looping), self.buffers
+        (device_slots,) = self.runner.upload(rows.slots)
+        return self.runner.copy_out(b.columns[:, :n], b.outputs[:, :n], b.logprobs[:n],
+                                    self.runner.decode_cursors.exit_values[device_slots, EXIT_STATE])
 
     def _running_flag(self) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Whether any row still runs after this pass, copied out without waiting (CUDA: pinned + event)."""
@@ -209,13 +262,12 @@ class DeviceRefill:
             event.synchronize()
         return bool(flag)
 
-    def _report(self, rows: _Rows, results: ResultBuilder) -> None:
-        """One readback; the outputs in order per row, and each row's position, depth and end into `rows`."""
-        n, looping = len(self.looping), self.looping
-        columns, outputs, logprobs = self.runner.read_back(self.buffers.columns, self.buffers.outputs,
-                                                           self.buffers.logprobs)
-        columns, tokens, exit_depths, logprobs = columns[:, :n], outputs[0, :n], outputs[1, :n], logprobs[:n]
-        count = columns[COUNT]
+    def land(self, rows: _Rows, values: list[np.ndarray], results: ResultBuilder) -> np.ndarray:
+        """The copies landed: the outputs in order per row into `results`, each row's position, depth
+        and end into `rows`; returns every row's exit state."""
+        looping = self.looping
+        columns, outputs, logprobs, states = values
+        tokens, exit_depths, count = outputs[0], outputs[1], columns[COUNT]
         for j in range(int(count.max(initial=0))):
             has = count > j
             picked = looping[has]
@@ -224,3 +276,4 @@ class DeviceRefill:
         rows.positions[looping], rows.depths[looping] = columns[POSITIONS], columns[DEPTHS]
         rows.indices[looping] = columns[INDICES]
         rows.running[looping], rows.finished[looping] = columns[RUNNING] > 0, columns[FINISHED] > 0
+        return states

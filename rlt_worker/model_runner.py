@@ -62,11 +62,11 @@ from rlt_worker.paged_context import PagedContext, PagedPlaneView, PrefillChunks
 from rlt_worker.philox import truncated_normal
 from rlt_worker.prefill_rows import DeviceChunks, HostChunks, PrefillRows
 from rlt_worker.sampler import SamplingTensors, sample
-from rlt_worker.step_results import PendingResult, ResultBuilder
+from rlt_worker.step_results import HostCopies, PendingResult, ResultBuilder
 from rlt_worker.swap import SwapStore
 
 if TYPE_CHECKING:
-    from rlt_worker.device_refill import RefillBuffers
+    from rlt_worker.device_refill import RefillBuffers, ResidentRows
 
 
 class SlotError(RuntimeError):
@@ -369,15 +369,20 @@ class ModelRunner:
 
     def read_back(self, *values: torch.Tensor) -> list[np.ndarray]:
         """Device tensors' values on the host after one wait for the work queued before them (the
-        decode loop's readbacks, which choose its next rows). On CUDA each is a non-blocking copy into
-        pinned memory, then one stream synchronize: several tensors cost one round trip."""
+        decode loop's readbacks, which choose its next rows): several tensors cost one round trip."""
+        return self.copy_out(*values).wait()
+
+    def copy_out(self, *values: torch.Tensor) -> HostCopies:
+        """Device tensors' values on their way to the host, behind the work queued before them: on
+        CUDA non-blocking copies into pinned memory and an event, nothing waited for."""
         if not self._pin:
-            return [v.cpu().numpy() for v in values]
+            return HostCopies([v.cpu().clone() for v in values], None)
         hosts = [torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for v in values]
         for host, value in zip(hosts, values, strict=True):
             host.copy_(value, non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()
-        return [host.numpy() for host in hosts]
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(self.device))
+        return HostCopies(hosts, copied)
 
     def _loop_plane(self, depths: torch.Tensor) -> torch.Tensor:
         return depths - 1 if self.config.kv_layout == LAST_EXITED else torch.zeros_like(depths)
@@ -568,6 +573,16 @@ class ModelRunner:
         """The slot row of graph padding rows (never opened): every per-slot tensor but the options has it."""
         return self.config.max_slots
 
+    @property
+    def refill_resident(self) -> ResidentRows | None:
+        """The last device-refill plan's rows, whose stops are in their bucket's columns (None: none)."""
+        return None if self._graphs is None or self._graphs.refill is None else self._graphs.refill.resident
+
+    @refill_resident.setter
+    def refill_resident(self, rows: ResidentRows | None) -> None:
+        if self._graphs is not None and self._graphs.refill is not None:
+            self._graphs.refill.resident = rows
+
     def refill_graph(self, num_rows: int, max_position: int, exit_test: ExitTest) -> tuple[Any, RefillBuffers] | None:
         """The device-refill pass of `num_rows` rows up to `max_position` and its bucket's buffers; None
         without graphs, for a coda that attends, when no bucket fits or capturing failed."""
@@ -578,6 +593,10 @@ class ModelRunner:
             return None
         self._graphs.stats.device_refill_plans += 1
         return graph, refill.buffers[key[0]]
+
+    def count_refill_resumed(self) -> None:
+        """GraphStats: a device-refill plan resumed its rows where the last one left them."""
+        self._graphs.stats.device_refill_resumed += 1
 
     def report_refill_pass(self, columns: torch.Tensor, running: torch.Tensor) -> None:
         """pass_listener (tests) before a device-refill pass: each running row's next loop, read back."""

@@ -8,6 +8,10 @@ On CUDA the device values of a plan's rows leave the GPU without stalling it:
 
 The snapshot (one cat on the compute stream) is memory only the copy reads: nothing plan N+1 does
 on the compute stream can race the copy, and the result is one transfer, not one per column.
+
+Deferred rows (`defer`: a device-refill plan's, whose rows and counts are on the device too) are
+copied on the compute stream by their owner (`HostCopies`) and turned into rows when the result is
+built; the copy stream waits for the compute stream, so the result's event covers their copies too.
 """
 
 from __future__ import annotations
@@ -44,12 +48,33 @@ class PendingResult:
         return self._build()
 
 
+class HostCopies:
+    """Device values on their way into pinned host memory (CUDA: non-blocking copies and an event;
+    the CPU: copied already)."""
+
+    def __init__(self, hosts: list[torch.Tensor], event: torch.cuda.Event | None) -> None:
+        self.hosts, self.event = hosts, event
+
+    def wait(self) -> list[np.ndarray]:
+        if self.event is not None:
+            self.event.synchronize()
+        return [host.numpy() for host in self.hosts]
+
+
 class ResultBuilder:
     """Rows in plan order; device values are read back once, when the plan's rows are all in."""
 
     def __init__(self, step_id: int) -> None:
         self.step_id = step_id
         self._parts: list[dict[str, object]] = []
+        self._landings: list[torch.cuda.Event] = []  # the events of deferred rows' copies (CUDA)
+
+    def defer(self, rows: Callable[[], list[dict[str, object]]], copied: torch.cuda.Event | None) -> None:
+        """Rows known once device values land (`copied`): `rows()`, called when the result is built,
+        returns their parts (host values only), which take this place in the plan's order."""
+        self._parts.append({"deferred": rows})
+        if copied is not None:
+            self._landings.append(copied)
 
     def add(
         self,
@@ -71,10 +96,12 @@ class ResultBuilder:
     def finish(self, num_free_slots: int, copy_stream: torch.cuda.Stream | None) -> PendingResult:
         """Every row is in: start the copy of the device values (on `copy_stream`, behind the compute
         stream's work so far; None: the CPU, build now)."""
-        device_fields = [(part, name) for part in self._parts for name in _DEVICE_FIELDS
+        device_fields = [(part, name) for part in self._parts if "deferred" not in part for name in _DEVICE_FIELDS
                          if isinstance(part[name], torch.Tensor)]
-        if copy_stream is None or not device_fields:
+        if copy_stream is None or not (device_fields or self._landings):
             return PendingResult.done(self.build(num_free_slots))
+        if not device_fields:  # only deferred rows: their copies' last event is the result's
+            return PendingResult(lambda: self.build(num_free_slots), self._landings[-1])
         values = [part[name].reshape(-1) for part, name in device_fields]
         # One float64 buffer holds them all exactly (token ids, float32 or float64 values).
         snapshot = torch.cat([v.to(torch.float64) for v in values])
@@ -97,7 +124,7 @@ class ResultBuilder:
     def build(self, num_free_slots: int) -> StepResult:
         """The packed StepResult of every row added so far."""
         columns: dict[str, list[np.ndarray]] = {name: [] for name in ("k", "g", "s", "d", "x", "t", "lp")}
-        for part in self._parts:
+        for part in self._expanded():
             n = len(part["keys"])
             columns["k"].append(part["keys"])
             columns["g"].append(part["generations"])
@@ -116,6 +143,17 @@ class ResultBuilder:
             depths=joined("d", I32), exit_states=joined("x", F64), tokens=joined("t", I32),
             logprobs=joined("lp", F64), num_free_slots=num_free_slots,
         )
+
+
+    def parts(self) -> list[dict[str, object]]:
+        """The rows added so far (what a deferred `rows()` returns of a builder it filled)."""
+        return self._parts
+
+    def _expanded(self) -> list[dict[str, object]]:
+        parts: list[dict[str, object]] = []
+        for part in self._parts:
+            parts.extend(part["deferred"]() if "deferred" in part else [part])
+        return parts
 
 
 _DEVICE_FIELDS = ("exit_states", "tokens", "logprobs")  # the fields a batch may leave on the device

@@ -65,12 +65,17 @@ def test_sampled_rows_keep_the_host_loop() -> None:
     assert run.graph_stats["device_refill_plans"] == 0
 
 
-def test_pipelined_plans_continue_device_refill_rows() -> None:
-    """Two plans in flight (rows that continue their slot's last row): the same outputs."""
-    jobs = _jobs("ouro")
+@pytest.mark.parametrize("n", [1, 8])
+def test_pipelined_plans_continue_device_refill_rows(n: int) -> None:
+    """Two plans in flight (rows that continue their slot's last row): the same outputs as one plan at
+    a time, and plans whose rows are the last plan's resume them on the device (no readback between)."""
+    jobs = _jobs("ouro", n=n)
     pipelined = _run("ouro", "last_exited", True, jobs, max_plans_in_flight=2)
+    synchronous = _run("ouro", "last_exited", True, jobs)
+    assert _finals(pipelined) == _finals(synchronous)
     assert_matches_reference(pipelined, "toy-ouro", kv_layout="last_exited", exit_mode="ouro")
-    assert pipelined.graph_stats["device_refill_plans"] > 0
+    assert pipelined.graph_stats["device_refill_resumed"] > 0
+    assert synchronous.graph_stats["device_refill_resumed"] == 0
 
 
 def test_a_stop_token_ends_its_row_at_once() -> None:
@@ -89,14 +94,15 @@ def test_a_stop_token_ends_its_row_at_once() -> None:
     assert run.graph_stats["device_refill_plans"] > 0
 
 
-def test_rows_stop_where_their_blocks_end() -> None:
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_rows_stop_where_their_blocks_end(in_flight: int) -> None:
     """KV blocks granted on demand from a small pool: a row stops when its next position has no block
-    (and resumes in a later plan), so no pass writes K/V past a row's blocks; the outputs are the
-    reference's."""
+    (and resumes in a later plan, on the device when pipelined), so no pass writes K/V past a row's
+    blocks; the outputs are the reference's."""
     jobs = _jobs("ouro", n=10)
     outside: list[tuple[int, int]] = []
     settings = dict(exit_mode="ouro", loops_per_plan=4 * DEPTH["toy-ouro"], max_num_seqs=6, kv_growth="on_demand",
-                    block_size=4, num_blocks=24, preemption="swap")
+                    block_size=4, num_blocks=24, preemption="swap", max_plans_in_flight=in_flight)
     with make_llm("toy-ouro", **settings) as llm:
         runner = llm.engine.executor._worker.runner
         runner.config = dataclasses.replace(runner.config, device_refill=True)
