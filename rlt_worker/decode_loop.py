@@ -27,7 +27,10 @@ does nothing if that row ended its request.
 
 Device refill. A batch that qualifies (greedy rows under a graphed gate test on Ouro, graphs on:
 rlt_worker/device_refill.py) runs its passes there instead: exits, boundary work and refill all
-masked on the device, one captured graph per pass, no readback until the plan ends. Otherwise:
+masked on the device, one captured graph per pass, nothing read back while the plan runs. Its rows'
+outputs and ends land later (`_Landing`: when the result is built, or when a later batch needs the
+host's cursors, `DecodeCursors.settle`); a next batch of the same rows, all continuing, resumes them
+on the device without landing them first (`DeviceRefill.resume`). Otherwise:
 
 The loop itself is host-driven: the host reads back a few bytes per pass to choose the next pass's
 rows (a device test: `DeviceExits`; planned exits, `PlannedExits`, know them on the host, so their

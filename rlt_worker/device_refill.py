@@ -19,7 +19,12 @@ the flags is decided by masks on the device instead. One pass, captured as one C
 
     host, per pass   one replay, and a copy of the flag to pinned memory; before pass p it waits
                      for pass p − LEAD's flag (LEAD passes stay queued) and stops when none runs
-    host, per plan   one upload (the rows' columns), one readback (every output, where each row stopped)
+    host, per plan   one upload (the rows' columns), one copy out (every output, where each row
+                     stopped), waited for only when the result is built or the host's cursors are
+                     needed (DecodeLoop's landing)
+    resume           a next plan of the same rows, all continuing, starts from the columns as they
+                     are (`DeviceRefill.resume`: the covered positions uploaded, no readback), so
+                     pipelined plans queue on the device one behind the other
 
 Every operation is the host path's on the same rows (the same pass, exit test, finalize kernel,
 coda, head and sampler), so tokens and exit depths are the host loop's; only the head GEMM's row

@@ -47,8 +47,8 @@ def test_graphed_test_equals_eager_bit_for_bit(mode: str, compiled: None) -> Non
         llm.close()
 
 
-def _run(mode: str, exit_graphs: bool, device_refill: bool = False, temperatures: tuple[float, ...] = (0.0, 1.0)
-         ) -> tuple[list, dict]:
+def _run(mode: str, exit_graphs: bool, device_refill: bool = False, temperatures: tuple[float, ...] = (0.0, 1.0),
+         requests: int = 12, max_tokens: int | None = None) -> tuple[list, dict]:
     """The host loop's passes by default (device_refill off), whose exit test is what is compared."""
     llm = _llm(mode, loops_per_plan=16, device_refill=device_refill)
     try:
@@ -57,9 +57,10 @@ def _run(mode: str, exit_graphs: bool, device_refill: bool = False, temperatures
             runner._graphs.exits.error = "off for the comparison"
         rng = random.Random(f"gpu-exit-graphs-{mode}")
         prompts = [[rng.randrange(256) for _ in range(rng.randint(3, 30))] for _ in range(12)]
-        params = [SamplingParams(max_tokens=rng.randint(8, 24), seed=i, temperature=rng.choice(temperatures),
-                                 exit_threshold=rng.choice([0.3, 0.5, 0.7]), ignore_eos=True) for i in range(12)]
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        params = [SamplingParams(max_tokens=max_tokens or rng.randint(8, 24), seed=i,
+                                 temperature=rng.choice(temperatures), exit_threshold=rng.choice([0.3, 0.5, 0.7]),
+                                 ignore_eos=True) for i in range(12)]
+        outputs = llm.generate(prompts[:requests], params[:requests], use_tqdm=False)
         return [(o.token_ids, o.exit_depths) for o in outputs], runner.graph_stats
     finally:
         llm.close()
@@ -86,3 +87,15 @@ def test_device_refill_equals_the_host_loop(mode: str, compiled: None) -> None:
     assert on_device == host
     assert stats["device_refill_plans"] > 0 and stats["refill_error"] is None
     assert host_stats["device_refill_plans"] == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_device_refill_resumes_a_lone_row(mode: str, compiled: None) -> None:
+    """One greedy request, two plans in flight: later plans resume its row on the device with no
+    readback between them, and its tokens and exit depths are the host loop's."""
+    on_device, stats = _run(mode, exit_graphs=True, device_refill=True, temperatures=(0.0,), requests=1,
+                          max_tokens=96)
+    host, _ = _run(mode, exit_graphs=True, temperatures=(0.0,), requests=1, max_tokens=96)
+    print(f"{mode}: lone row, device refill {stats}")
+    assert on_device == host
+    assert stats["device_refill_resumed"] > 0 and stats["refill_error"] is None
