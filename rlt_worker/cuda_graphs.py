@@ -312,6 +312,7 @@ class LoopPassGraphs:
 
     def _capture(self, fn: Callable[[], None], warm_up: Callable[[], None]) -> Any:
         if self.emulate:
+            warm_up()  # what a capture does to the buffers before it, so the CPU tests see it too
             self.stats.captures += 1
             return _EagerReplay(fn)
         t0 = time.perf_counter()

@@ -103,6 +103,8 @@ class DecodeCursors:
 
     def settle(self, upto: _Landing | None = None) -> None:
         """Land the pending device-refill plans in order: all of them, or up to and including `upto`."""
+        if upto is not None and upto.landed:
+            return
         while self.pending:
             landing = self.pending.pop(0)
             landing.land()

@@ -101,6 +101,8 @@ class RefillGraphs:
         """The key's graph (captured now at its first use), or None after a failed capture."""
         key = (rows, width, exit_test)
         if key not in self._graphs and self.error is None and self.passes.stats.error is None:
+            # The warm-up points the bucket's rows at the dummy slot: keep the resident rows' columns.
+            resident = self.buffers[rows].columns.clone()
             try:
                 self._graphs[key] = self.passes._capture(
                     functools.partial(self._pass, rows, width, make_exit_test(exit_test)), self._warm_up(rows))
@@ -108,6 +110,7 @@ class RefillGraphs:
             except Exception as exc:  # keep serving: the host loop runs these batches
                 log.exception("CUDA graph capture of a device-refill pass (%d rows × %d blocks) failed", rows, width)
                 self.error = self.passes.stats.refill_error = f"{type(exc).__name__}: {exc}"
+            self.buffers[rows].columns.copy_(resident)
         return self._graphs.get(key)
 
     def _warm_up(self, rows: int) -> functools.partial:

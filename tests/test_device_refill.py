@@ -8,19 +8,23 @@ import dataclasses
 import random
 
 import pytest
+import torch
 from factories import DEPTH, Driver, Job, assert_matches_reference, make_llm, make_workload, run_workload
 
+from protocol.messages import ExitTest
 from rlt_engine import SamplingParams
 from rlt_engine.config import EngineConfig
+from rlt_engine.executor.inproc import InprocExecutor
+from rlt_worker.step_results import PendingResult, ResultBuilder
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def _jobs(mode: str, n: int = 8) -> list:
+def _jobs(mode: str, n: int = 8, max_tokens: int = 9) -> list:
     """Greedy requests (every 5th with stop tokens on half the vocabulary), staggered, varied limits."""
     return make_workload(random.Random(f"device-refill-{mode}"), n, depth=DEPTH["toy-ouro"], exit_mode=mode,
-                         threshold=0.5, sampling=("greedy",), max_prompt_len=10, max_tokens=9, vary_limits=True,
-                         spread=1)
+                         threshold=0.5, sampling=("greedy",), max_prompt_len=10, max_tokens=max_tokens,
+                         vary_limits=True, spread=1)
 
 
 def _run(mode: str, layout: str, device_refill: bool, jobs: list, **options: object):
@@ -65,11 +69,31 @@ def test_sampled_rows_keep_the_host_loop() -> None:
     assert run.graph_stats["device_refill_plans"] == 0
 
 
-@pytest.mark.parametrize("n", [1, 8])
-def test_pipelined_plans_continue_device_refill_rows(n: int) -> None:
+def _results_land_late(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's timing on the CPU: a plan's result is built when the engine reads it, and the engine reads
+    only the oldest (on CUDA the newest plan's copies are still on their way), so a continuing row's
+    next plan is built before its last one has landed, plan after plan."""
+    def finish(self: ResultBuilder, num_free_slots: int, copy_stream: object) -> PendingResult:
+        return PendingResult(lambda: self.build(num_free_slots))
+
+    def collect(self: InprocExecutor, timeout: float | None = None) -> list:
+        oldest, self._pending = self._pending[:1], self._pending[1:]
+        done, self._done = self._done + [(0, self._cross(r.result())) for r in oldest], []
+        return done
+
+    monkeypatch.setattr(ResultBuilder, "finish", finish)
+    monkeypatch.setattr(InprocExecutor, "collect", collect)
+
+
+@pytest.mark.parametrize(("n", "max_tokens", "late"), [(1, 9, False), (8, 9, False), (8, 40, True)])
+def test_pipelined_plans_continue_device_refill_rows(n: int, max_tokens: int, late: bool,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Two plans in flight (rows that continue their slot's last row): the same outputs as one plan at
-    a time, and plans whose rows are the last plan's resume them on the device (no readback between)."""
-    jobs = _jobs("ouro", n=n)
+    a time, and plans whose rows are the last plan's resume them on the device (no readback between),
+    also when results land late (plans resumed one after another, across width buckets)."""
+    jobs = _jobs("ouro", n=n, max_tokens=max_tokens)
+    if late:
+        _results_land_late(monkeypatch)
     pipelined = _run("ouro", "last_exited", True, jobs, max_plans_in_flight=2)
     synchronous = _run("ouro", "last_exited", True, jobs)
     assert _finals(pipelined) == _finals(synchronous)
@@ -123,6 +147,21 @@ def test_rows_stop_where_their_blocks_end(in_flight: int) -> None:
     assert_matches_reference(run, "toy-ouro", kv_layout="last_exited", exit_mode="ouro")
     assert not outside, f"passes at positions past their blocks (slot, position): {outside}"
     assert stats["device_refill_plans"] > 0
+
+
+def test_a_capture_keeps_the_resident_rows_columns() -> None:
+    """Capturing a new (rows, width) pass warms it up on the dummy slot, in the bucket's buffers; the
+    columns of the rows a next plan may resume there are as they were."""
+    with make_llm("toy-ouro", exit_mode="ouro", max_num_seqs=6) as llm:
+        runner = llm.engine.executor._worker.runner
+        runner.use_pass_graphs(emulate=True)
+        refill = runner._graphs.refill
+        columns = refill.buffers[1].columns
+        columns.copy_(torch.arange(columns.numel()).reshape(columns.shape))
+        before = columns.clone()
+        for width in runner._graphs.widths()[:2]:
+            assert refill.graph(1, width, ExitTest.OURO) is not None
+        assert torch.equal(columns, before)
 
 
 def test_device_refill_is_on_where_pass_graphs_are() -> None:
