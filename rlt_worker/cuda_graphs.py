@@ -40,7 +40,8 @@ exit tests' (per rows bucket only) are captured last, in the same pool. Device-r
 are not captured at start-up but at first use, in the same pool (`lazy_captures`).
 
 `emulate=True` (CPU tests) runs the same padded, bucketed, static-buffer function eagerly in
-place of a replay: everything but the capture itself is exercised against the float64 oracle.
+place of a replay, after the capture's warm-up pointing (what it does to the buffers): everything
+but the capture itself is exercised against the float64 oracle.
 """
 
 from __future__ import annotations
