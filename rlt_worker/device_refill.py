@@ -212,12 +212,12 @@ class DeviceRefill:
         only the rows' covered positions go up, and the device restarts the rows that may run."""
         resident = runner.refill_resident
         if (resident is None or not continues.all() or not np.array_equal(slots, resident.slots)
-                or getattr(exit_step, "exit_test", None) != resident.exit_test
                 or not cls._qualifies(runner, exit_step, refill, slots, max_passes)
-                or any(runner.slot_options[s].forced_tokens is not None for s in slots.tolist())):
+                or exit_step.exit_test != resident.exit_test or runner.forces_tokens(slots)):
             return None
+        # The same rows: the same rows bucket, so the graph found runs over the resident buffers.
         found = runner.refill_graph(len(slots), resident.position_bound + max_passes, resident.exit_test)
-        if found is None or found[1] is not resident.buffers:
+        if found is None:
             return None
         runner.count_refill_resumed()
         c, n = resident.buffers.columns, len(slots)

@@ -290,12 +290,16 @@ class ModelRunner:
         mask[[t for t in options.stop_token_ids if 0 <= t < len(mask)]] = True
         self.upload_into(self.stop_mask[slot], mask)  # pinned, asynchronous: admitting waits for nothing
 
+    def forces_tokens(self, slots: np.ndarray) -> bool:
+        """Whether any of these slots is teacher-forced (a replay's given tokens), at any output index."""
+        return any(self.slot_options[slot].forced_tokens is not None for slot in slots.tolist())
+
     def forced_tokens(self, slots: np.ndarray, indices: np.ndarray) -> np.ndarray | None:
         """Teacher forcing: each (slot, output index)'s given token, −1 where it samples; None when no
         row forces (the common case, answered without a loop over rows)."""
-        options = [self.slot_options[slot] for slot in slots.tolist()]
-        if all(o.forced_tokens is None for o in options):
+        if not self.forces_tokens(slots):
             return None
+        options = [self.slot_options[slot] for slot in slots.tolist()]
         return np.array([-1 if o.forced_tokens is None else o.forced_tokens[i]
                          for o, i in zip(options, indices.tolist(), strict=True)], dtype=np.int64)
 
