@@ -23,6 +23,7 @@ from rlt_engine.bench.corpus import (
     read_site_packages,
     read_stdlib,
 )
+from rlt_engine.bench.docstrings import summary_docstrings
 from rlt_engine.bench.greedy import PROMPTS, continue_prompts, judge, meets_target
 from rlt_engine.bench.held_out import held_out_for
 from rlt_engine.bench.prepared import EOS, load_prepared, prepare
@@ -285,6 +286,96 @@ def test_prepare_adds_extra_text_to_the_training_split_only(tmp_path: Path) -> N
     assert meta["stdlib_train_bytes"] == sum(map(len, train_texts))
     assert meta["train_bytes"] == meta["stdlib_train_bytes"] + len(extra.texts[0])
     assert base.meta["corpus"]["extra"] is None
+
+
+_LONG_DOCSTRINGS = '''"""Module summary.
+
+More text.
+"""
+import os
+
+
+class A:
+    r"""
+    Return a thing
+    over two lines.
+
+    Parameters
+    ----------
+    """
+
+    def f(self):
+        """One paragraph only
+        kept whole."""
+        x = """not a docstring
+
+        at all"""
+        return x
+
+    def g(self):
+        \'\'\'Summary — ü.
+
+        Details.\'\'\'
+        joined = ("""a
+
+        b""" "c")
+
+    def h(self):
+        ("""joined
+
+        """ "literal")
+'''
+
+_SUMMARIES = '''"""Module summary."""
+import os
+
+
+class A:
+    r"""
+    Return a thing
+    over two lines.
+    """
+
+    def f(self):
+        """One paragraph only
+        kept whole."""
+        x = """not a docstring
+
+        at all"""
+        return x
+
+    def g(self):
+        \'\'\'Summary — ü.\'\'\'
+        joined = ("""a
+
+        b""" "c")
+
+    def h(self):
+        ("""joined
+
+        """ "literal")
+'''
+
+
+def test_docstrings_are_cut_to_their_first_paragraph_and_nothing_else_changes() -> None:
+    assert summary_docstrings(_LONG_DOCSTRINGS.encode()).decode() == _SUMMARIES
+    assert summary_docstrings(_SUMMARIES.encode()) == _SUMMARIES.encode()
+    not_python = b'def f(:\n    """a\n\n    b"""\n'
+    assert summary_docstrings(not_python) == not_python
+
+
+def test_prepare_cuts_the_training_splits_docstrings_only(tmp_path: Path) -> None:
+    corpus = _small_corpus()
+    cut = prepare(tmp_path / "cut", 320, corpus, docstrings="summary")
+    whole = prepare(tmp_path / "whole", 320, corpus)
+    train_texts, _ = corpus.split()
+    assert cut.decode(cut.train.tolist()) == b"".join(map(summary_docstrings, train_texts)).decode()
+    assert cut.decode(cut.held_out.tolist()) == whole.decode(whole.held_out.tolist())
+    meta = cut.meta["corpus"]
+    assert meta["docstrings"] == {"training_split": "summary", "held_out": "keep",
+                                  "train_bytes_before": sum(map(len, train_texts))}
+    assert meta["train_bytes"] < meta["docstrings"]["train_bytes_before"]
+    assert whole.meta["corpus"]["train_bytes"] == whole.meta["corpus"]["docstrings"]["train_bytes_before"]
 
 
 def test_lr_warms_up_then_decays_to_a_tenth() -> None:

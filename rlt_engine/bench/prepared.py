@@ -26,12 +26,15 @@ from pathlib import Path
 import numpy as np
 
 from rlt_engine.bench.corpus import HELD_OUT_MODULUS, SKIPPED_DIRS, ExtraText, StdlibText, read_stdlib
+from rlt_engine.bench.docstrings import summary_docstrings
 from rlt_engine.bench.greedy import PROMPTS
 from rlt_engine.tokenizer import byte_level_pieces
 
 SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>")  # ids 0, 1, 2 (the trainer puts them first)
 BOS, EOS, PAD = 0, 1, 2
 FORMAT = 1
+# What `prepare` does to the training split's docstrings (docstrings.py says why); held-out text is never cut.
+DOCSTRING_RULES = {"summary": summary_docstrings, "keep": lambda text: text}
 
 
 @dataclass(frozen=True)
@@ -84,10 +87,11 @@ def _ids(tokenizer, texts: list[str]) -> np.ndarray:
 
 
 def prepare(data_dir: str | Path, vocab_size: int, corpus: StdlibText | None = None,
-            extra: ExtraText | None = None) -> Prepared:
+            extra: ExtraText | None = None, docstrings: str = "keep") -> Prepared:
     """Train the tokenizer on the training split and write the data directory (see the module doc).
     `extra` (corpus.read_site_packages) joins the training split only, after the stdlib's files;
-    the held-out split stays the stdlib's held-out files."""
+    the held-out split stays the stdlib's held-out files. `docstrings` names a DOCSTRING_RULES entry,
+    applied to the training split only."""
     import tokenizers
 
     if not 256 + len(SPECIAL_TOKENS) < vocab_size <= 2**16:
@@ -97,6 +101,8 @@ def prepare(data_dir: str | Path, vocab_size: int, corpus: StdlibText | None = N
     stdlib_train_bytes = sum(map(len, train_bytes))
     if extra is not None:
         train_bytes = [*train_bytes, *extra.texts]
+    uncut_train_bytes = sum(map(len, train_bytes))
+    train_bytes = [DOCSTRING_RULES[docstrings](t) for t in train_bytes]
     train_texts = [t.decode("utf-8") for t in train_bytes]
     held_out_texts = [t.decode("utf-8") for t in held_out_bytes]
     tokenizer = train_tokenizer(train_texts, vocab_size)
@@ -114,6 +120,8 @@ def prepare(data_dir: str | Path, vocab_size: int, corpus: StdlibText | None = N
                    "skipped_dirs": sorted(SKIPPED_DIRS),
                    "train_bytes": sum(map(len, train_bytes)), "stdlib_train_bytes": stdlib_train_bytes,
                    "held_out_bytes": sum(map(len, held_out_bytes)),
+                   "docstrings": {"training_split": docstrings, "held_out": "keep",
+                                  "train_bytes_before": uncut_train_bytes},
                    "extra": None if extra is None else {**extra.manifest, "file_list": extra.files}},
         "tokenizer": {"kind": "byte-level BPE (tokenizers)", "tokenizers": tokenizers.__version__,
                       "vocab_size": tokenizer.get_vocab_size(), "asked_vocab_size": vocab_size,
