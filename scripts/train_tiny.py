@@ -35,7 +35,9 @@ and lets the uniform prior weigh the LM losses, at α = 1:
 (--floor-shape depth: + α d / Σ d instead, square: + α d² / Σ d², so deeper loops get more of the floor). The
 default is α = 0.5, which beat α = 1 at loops 2–4 on the H200 (run 2, docs/benchmarks.md).
 
-Residual dropout (--dropout, train mode only) regularises the many epochs the small corpus takes.
+Training windows start at line starts (--window-starts line, the default; `any`: at any token, as
+runs 1 to 6 did; line_starts says why). Residual dropout (--dropout, train mode only) regularises
+the many epochs the small corpus takes.
 On CUDA: bf16 autocast, fused AdamW, torch.compile (falls back to eager if it fails), --max-seconds
 as a safety stop that still evaluates and saves. Everything is seeded: on the CPU the same command
 reproduces the loss bit for bit. On CUDA --deterministic 1 (the default) asks for deterministic
@@ -54,6 +56,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -101,6 +104,7 @@ class TrainConfig:
     beta: float = 0.05
     exit_floor: float = 0.5  # α: every loop gets ≥ α q_d of the LM loss weight (ouro_objective)
     floor_shape: str = "uniform"  # q: "uniform" (1/D), "depth" (d / Σ d) or "square" (d² / Σ d²) (floor_prior)
+    window_starts: str = "line"  # "line": each training window starts a line (WINDOW_STARTS); "any": any token
     detach_gate: bool = True  # the gate learns from detached losses; the LM weights are held constant
     seed: int = 0
     deterministic: bool = True  # CUDA: ask for deterministic kernels (runs 3 a and b, without, ended 1.1% apart)
@@ -273,10 +277,10 @@ def train(cfg: TrainConfig, data: Prepared, device: str, compile_mode: str, max_
     offsets = torch.arange(cfg.context + 1, device=device)
     windows = torch.from_numpy(held_out_windows(data.held_out, cfg.context, cfg.eval_windows)).to(device)
     byte_counts = torch.from_numpy(data.byte_counts()).to(device)
-    sampler = np.random.default_rng(cfg.seed)
+    draw_starts = WINDOW_STARTS[cfg.window_starts](data, cfg.context, np.random.default_rng(cfg.seed))
 
     def next_batch() -> torch.Tensor:
-        starts = torch.from_numpy(sampler.integers(0, len(data.train) - cfg.context - 1, cfg.batch)).to(device)
+        starts = torch.from_numpy(draw_starts(cfg.batch)).to(device)
         return train_ids[starts[:, None] + offsets]
 
     curve, stopped, done = [], None, 0
@@ -324,6 +328,27 @@ def train(cfg: TrainConfig, data: Prepared, device: str, compile_mode: str, max_
                    "target_met": meets_target(greedy) if greedy else None},
     }
     return model, record
+
+
+def any_token_starts(data: Prepared, context: int, sampler: np.random.Generator) -> Callable[[int], np.ndarray]:
+    """Window starts drawn uniformly over every token that leaves room for a whole window."""
+    last = len(data.train) - context - 1
+    return lambda count: sampler.integers(0, last, count)
+
+
+def line_starts(data: Prepared, context: int, sampler: np.random.Generator) -> Callable[[int], np.ndarray]:
+    """Window starts drawn uniformly over the tokens that start a line: those after a token whose text
+    has a newline, or after a file's <eos>. Why: a prompt is the start of its text, and at a window's
+    first token the model cannot see how deep the line is indented. From any token, the greedy `for`
+    prompt at column 0 was continued at the indentation of a method body in runs 3 to 6; from line
+    starts, a first token without leading whitespace means column 0 (the GPT-2 split keeps an indented
+    line's last space on its first word)."""
+    ends_line = np.array([piece is None or b"\n" in piece for piece in data.pieces])
+    starts = np.flatnonzero(ends_line[data.train[: len(data.train) - context - 2]]) + 1
+    return lambda count: starts[sampler.integers(0, len(starts), count)]
+
+
+WINDOW_STARTS = {"line": line_starts, "any": any_token_starts}
 
 
 def round_to_bf16(model) -> None:
@@ -414,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="stop and save once training (from the first step) has run this long")
     for field, default in asdict(TrainConfig()).items():
         kind = _flag if isinstance(default, bool) else type(default)
-        choices = FLOOR_SHAPES if field == "floor_shape" else None
+        choices = {"floor_shape": FLOOR_SHAPES, "window_starts": tuple(WINDOW_STARTS)}.get(field)
         run.add_argument(f"--{field.replace('_', '-')}", type=kind, default=default, choices=choices)
     args = parser.parse_args(argv)
     if args.command == "prepare":

@@ -321,7 +321,7 @@ def _interp_engine_mixed() -> None:
 
     torch.set_num_threads(1)
     for model, mode in (("toy-ouro", "ouro"), ("toy-huginn", "kl")):
-        jobs = jobs_for(model, mode, n=3, max_prompt_len=10, max_tokens=5)
+        jobs = jobs_for(model, mode, n=3, max_prompt_len=10, max_tokens=3)
         with make_llm(model, exit_mode=mode, max_num_seqs=4, prefill_chunk_size=4, attention_backend="triton",
                       mixed_batches=True, loops_per_plan=DEPTH[model]) as llm:
             runner = llm.engine.executor._worker.runner

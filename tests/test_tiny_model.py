@@ -83,7 +83,7 @@ def test_the_default_model_is_the_shipped_checkpoint() -> None:
     assert resolve_model("toy-ouro") == "toy-ouro"  # anything else passes through
 
 
-# The shipped checkpoint (H200 run 3, docs/benchmarks.md) misses issue 20's greedy target (1 of 6
+# The shipped checkpoint (H200 run 4 a, docs/benchmarks.md) misses issue 20's greedy target (3 of 6
 # valid on the H200): its test asserts the target and is expected to fail until a checkpoint meets it;
 # strict, so the day one does it reports it and the mark must go.
 PENDING_CHECKPOINT = pytest.mark.xfail(strict=True, reason="issue 20: the shipped checkpoint misses the greedy target")
@@ -376,6 +376,23 @@ def test_prepare_cuts_the_training_splits_docstrings_only(tmp_path: Path) -> Non
                                   "train_bytes_before": sum(map(len, train_texts))}
     assert meta["train_bytes"] < meta["docstrings"]["train_bytes_before"]
     assert whole.meta["corpus"]["train_bytes"] == whole.meta["corpus"]["docstrings"]["train_bytes_before"]
+
+
+def test_training_windows_start_at_line_starts(prepared: Path) -> None:
+    """--window-starts line: every window's first token follows a newline or a file's <eos>, and every
+    such start can be drawn; `any` draws as runs 1 to 6 did."""
+    train_tiny = _train_tiny()
+    data = load_prepared(prepared)
+    context = 64
+    starts = train_tiny.line_starts(data, context, np.random.default_rng(0))(20_000)
+    before = [data.pieces[t] for t in data.train[starts - 1]]
+    assert all(p is None or b"\n" in p for p in before)
+    assert starts.max() + context < len(data.train)
+    text = data.decode(data.train[: 5_000].tolist())
+    assert len(set(starts[starts < 5_000].tolist())) > text.count("\n") // 4  # many lines, not a few
+    drawn = train_tiny.any_token_starts(data, context, np.random.default_rng(3))(5)
+    assert drawn.tolist() == np.random.default_rng(3).integers(0, len(data.train) - context - 1, 5).tolist()
+    assert train_tiny.TrainConfig().window_starts == "line" and set(train_tiny.WINDOW_STARTS) == {"line", "any"}
 
 
 def test_lr_warms_up_then_decays_to_a_tenth() -> None:
