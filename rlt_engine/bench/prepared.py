@@ -97,12 +97,10 @@ def prepare(data_dir: str | Path, vocab_size: int, corpus: StdlibText | None = N
     if not 256 + len(SPECIAL_TOKENS) < vocab_size <= 2**16:
         raise ValueError(f"vocab_size {vocab_size} must exceed the 259 bytes and specials and fit uint16")
     corpus = corpus or read_stdlib()
-    train_bytes, held_out_bytes = corpus.split()
-    stdlib_train_bytes = sum(map(len, train_bytes))
-    if extra is not None:
-        train_bytes = [*train_bytes, *extra.texts]
-    uncut_train_bytes = sum(map(len, train_bytes))
-    train_bytes = [DOCSTRING_RULES[docstrings](t) for t in train_bytes]
+    stdlib_train, held_out_bytes = corpus.split()
+    uncut = [*stdlib_train, *([] if extra is None else extra.texts)]
+    train_bytes = [DOCSTRING_RULES[docstrings](t) for t in uncut]
+    stdlib_train_bytes = sum(map(len, train_bytes[: len(stdlib_train)]))
     train_texts = [t.decode("utf-8") for t in train_bytes]
     held_out_texts = [t.decode("utf-8") for t in held_out_bytes]
     tokenizer = train_tokenizer(train_texts, vocab_size)
@@ -121,7 +119,7 @@ def prepare(data_dir: str | Path, vocab_size: int, corpus: StdlibText | None = N
                    "train_bytes": sum(map(len, train_bytes)), "stdlib_train_bytes": stdlib_train_bytes,
                    "held_out_bytes": sum(map(len, held_out_bytes)),
                    "docstrings": {"training_split": docstrings, "held_out": "keep",
-                                  "train_bytes_before": uncut_train_bytes},
+                                  "train_bytes_before": sum(map(len, uncut))},
                    "extra": None if extra is None else {**extra.manifest, "file_list": extra.files}},
         "tokenizer": {"kind": "byte-level BPE (tokenizers)", "tokenizers": tokenizers.__version__,
                       "vocab_size": tokenizer.get_vocab_size(), "asked_vocab_size": vocab_size,
