@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 
@@ -146,5 +147,12 @@ class Worker:
                 num_free_slots=self.runner.num_free_slots))
 
     def close(self) -> None:
-        """Drop the runner and its device memory."""
+        """Drop the runner and free its device memory now. The runner and its graphs, decode loop and
+        pending results refer to one another, so dropping it frees nothing until the cyclic collector
+        runs; an in-process engine made next would find the KV pool still taken (on CUDA, still
+        reserved by the caching allocator as well)."""
+        on_cuda = self.runner is not None and self.runner.device.type == "cuda"
         self.runner = None
+        gc.collect()
+        if on_cuda:
+            torch.cuda.empty_cache()

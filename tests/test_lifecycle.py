@@ -3,6 +3,9 @@ and a failed step leaves the engine's books and the worker's slot table in step.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import msgspec
 import pytest
 from factories import make_llm, resources
@@ -144,3 +147,18 @@ def test_kv_pool_sizing_refuses_a_device_with_no_room() -> None:
                           device="cuda:0") == 50 - ACTIVATION_RESERVE_BYTES // gib
     with pytest.raises(KVPoolSizeError, match="raise gpu_memory_utilization, or pass num_blocks"):
         kv_pool_blocks(free=15 * gib, total=140 * gib, utilization=0.9, block_bytes=3 * 2**20, device="cuda:0")
+
+
+def test_closing_an_in_process_engine_frees_its_runner_without_waiting_for_the_collector() -> None:
+    """The runner's parts refer to one another; close() must free them (and the KV pool) itself, or
+    an engine made next in the same process finds the device still taken."""
+    gc.disable()
+    try:
+        with make_llm("toy-ouro", exit_mode="ouro", max_num_seqs=2) as llm:
+            llm.generate([[5, 6, 7]], LONG, use_tqdm=False)
+            runner = llm.engine.executor._worker.runner
+            freed = weakref.ref(runner), weakref.ref(runner.storage.pool)
+            del runner
+        assert [ref() is None for ref in freed] == [True, True]
+    finally:
+        gc.enable()
