@@ -94,9 +94,9 @@ def profile_mode(mode: str) -> dict:
 
 def main(argv: list[str]) -> None:
     """OUT_DIR: each mode in a child process (OUT_DIR --mode MODE prints its report as JSON), then
-    OUT_DIR/ouro_gap.json. A child per mode, because in one process the second mode's engine found
-    the first's device memory still in use (eb12d96, H200: 127 GiB), which a closed and deleted LLM
-    otherwise frees (a probe on the same tree: 0.9 GiB in use afterwards); not diagnosed further."""
+    OUT_DIR/ouro_gap.json. A child per mode, so that neither mode's profile sees the other's
+    allocator state or compiled kernels (and, before Worker.close freed its runner itself, the second
+    engine found the first's KV pool still taken: docs/benchmarks.md)."""
     if len(argv) == 3 and argv[1] == "--mode":
         print(json.dumps(profile_mode(argv[2])))
         return

@@ -11,11 +11,11 @@ the training split only, the .py files of the installed distributions pyproject.
 up to 10 MB, no tests, no copy of a stdlib file; --stdlib-only leaves them out; see
 rlt_engine/bench/corpus.py), cuts the training files' docstrings to their first paragraph
 (--docstrings keep leaves them whole; rlt_engine/bench/docstrings.py says why), trains a byte-level
-BPE tokenizer on the training files only and
-writes the token ids, the tokenizer and prepared.json (corpus SHA-256s, file lists, the
-distributions and their versions) into --data. The held-out split is the stdlib's held-out files
-alone, so held-out numbers stay comparable across corpora. `train` reads only that directory and
-writes config.json, model.safetensors (bfloat16), tokenizer.json and training.json into --out.
+BPE tokenizer on the training files only and writes the token ids, the tokenizer and prepared.json
+(corpus SHA-256s, file lists, the distributions and their versions) into --data. The held-out
+split is the stdlib's held-out files alone, so held-out numbers stay comparable across corpora.
+`train` reads only that directory and writes config.json, model.safetensors (bfloat16),
+tokenizer.json and training.json into --out.
 
 The model is Ouro's (SPEC §9 names, so the ordinary loader reads it), D = 4 loops of one shared
 block. At every loop the LM head gives a loss L_d and the exit gate a hazard λ_d; the exit
