@@ -10,9 +10,10 @@ encoding tables and pydoc data left out; files whose path hashes to 0 mod 50 hel
 the training split only, the .py files of the installed distributions pyproject.toml names (each
 up to 10 MB, no tests, no copy of a stdlib file; --stdlib-only leaves them out; see
 rlt_engine/bench/corpus.py), cuts the training files' docstrings to their first paragraph
-(--docstrings keep leaves them whole; rlt_engine/bench/docstrings.py says why), trains a byte-level
-BPE tokenizer on the training files only and writes the token ids, the tokenizer and prepared.json
-(corpus SHA-256s, file lists, the distributions and their versions) into --data. The held-out
+(--docstrings keep leaves them whole), with --documents definition splits them into documents at
+their top-level definitions (rlt_engine/bench/training_text.py says why for both), trains a
+byte-level BPE tokenizer on the training files only and writes the token ids, the tokenizer and
+prepared.json (corpus SHA-256s, file lists, the distributions and their versions) into --data. The held-out
 split is the stdlib's held-out files alone, so held-out numbers stay comparable across corpora.
 `train` reads only that directory and writes config.json, model.safetensors (bfloat16),
 tokenizer.json and training.json into --out.
@@ -65,7 +66,7 @@ import torch
 
 from rlt_engine.bench.corpus import held_out_windows, read_site_packages, read_stdlib
 from rlt_engine.bench.greedy import meets_target, report
-from rlt_engine.bench.prepared import BOS, DOCSTRING_RULES, EOS, PAD, Prepared, load_prepared, prepare
+from rlt_engine.bench.prepared import BOS, DOCSTRING_RULES, DOCUMENT_RULES, EOS, PAD, Prepared, load_prepared, prepare
 from rlt_worker.models.config import load_config
 from rlt_worker.models.loader import model_from_state_dict, save_checkpoint
 from rlt_worker.models.toy import TOY_OURO_CONFIG
@@ -427,7 +428,10 @@ def main(argv: list[str] | None = None) -> int:
                       help="train on the standard library alone (no installed distributions' sources)")
     prep.add_argument("--docstrings", choices=tuple(DOCSTRING_RULES), default="summary",
                       help="the training split's docstrings: cut to their first paragraph, or kept whole "
-                           "(rlt_engine/bench/docstrings.py says why; held-out text is never cut)")
+                           "(rlt_engine/bench/training_text.py says why; held-out text is never cut)")
+    prep.add_argument("--documents", choices=tuple(DOCUMENT_RULES), default="file",
+                      help="the training split's documents, each ended by <eos>: whole files, or split at "
+                           "top-level definitions (rlt_engine/bench/training_text.py)")
     run = commands.add_parser("train", help="train from --data, write the checkpoint into --out")
     run.add_argument("--data", default=DEFAULT_DATA)
     run.add_argument("--out", required=True, help="checkpoint directory to write")
@@ -445,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "prepare":
         stdlib = read_stdlib()
         data = prepare(args.data, args.vocab_size, stdlib, None if args.stdlib_only else read_site_packages(stdlib),
-                       args.docstrings)
+                       args.docstrings, args.documents)
         print(f"wrote {args.data}: {len(data.train):,} training tokens, {len(data.held_out):,} held out, "
               f"vocab {data.vocab_size}, corpus sha256 {data.meta['corpus']['sha256']}")
         return 0

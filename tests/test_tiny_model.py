@@ -23,11 +23,11 @@ from rlt_engine.bench.corpus import (
     read_site_packages,
     read_stdlib,
 )
-from rlt_engine.bench.docstrings import summary_docstrings
 from rlt_engine.bench.greedy import PROMPTS, continue_prompts, judge, meets_target
 from rlt_engine.bench.held_out import held_out_for
 from rlt_engine.bench.prepared import EOS, load_prepared, prepare
 from rlt_engine.bench.quality import QualityRow, depth_verdict, gate_against_fixed, score, target_verdict
+from rlt_engine.bench.training_text import definition_documents, summary_docstrings
 from rlt_engine.checkpoints import DEFAULT_MODEL, resolve_model
 from rlt_engine.cli import main
 from rlt_engine.llm import LLM
@@ -340,6 +340,31 @@ def test_docstrings_are_cut_to_their_first_paragraph_and_nothing_else_changes() 
     assert summary_docstrings(_SUMMARIES.encode()) == _SUMMARIES.encode()
     not_python = b'def f(:\n    """a\n\n    b"""\n'
     assert summary_docstrings(not_python) == not_python
+
+
+def test_top_level_definitions_become_documents() -> None:
+    """Split before each top-level def and class (at its first decorator), nothing lost; a nested
+    definition, a file without any and one that does not parse stay whole."""
+    source = (b'"""Doc."""\nimport os\n\nX = 1\n\n\n@cache\n@wraps(f)\ndef f():\n    def inner():\n'
+              b'        pass\n    return 1\n\n\nclass A:\n    def m(self):\n        pass\n\n'
+              b'if __name__ == "__main__":\n    f()\n')
+    documents = definition_documents(source)
+    assert b"".join(documents) == source
+    assert [d.split(b"\n")[0] for d in documents] == [b'"""Doc."""', b"@cache", b"class A:"]
+    assert definition_documents(b"def f():\n    pass\n") == [b"def f():\n    pass\n"]
+    assert definition_documents(b"import os\n") == [b"import os\n"]
+    assert definition_documents(b"def f(:\ndef g(): pass\n") == [b"def f(:\ndef g(): pass\n"]
+
+
+def test_prepare_splits_the_training_split_into_definition_documents(tmp_path: Path) -> None:
+    corpus = _small_corpus()
+    split = prepare(tmp_path / "split", 320, corpus, documents="definition")
+    train_texts, _ = corpus.split()
+    documents = [d for t in train_texts for d in definition_documents(t)]
+    eos = int(np.sum(split.train == EOS))
+    assert eos == len(documents) == split.meta["corpus"]["documents"]["train_documents"] > len(train_texts)
+    assert split.decode(split.train.tolist()) == b"".join(documents).decode()
+    assert int(np.sum(split.held_out == EOS)) == len(corpus.split()[1])  # held-out files stay whole
 
 
 def test_prepare_cuts_the_training_splits_docstrings_only(tmp_path: Path) -> None:

@@ -5,7 +5,8 @@ the standard library (corpus.py: its files, its held-out rule), trains a byte-le
 on the training files only and writes into `data_dir`:
 
     tokenizer.json   the tokenizer; the trainer copies it into every checkpoint it writes
-    train.npy        uint16 token ids of the training files, each file followed by <eos>
+    train.npy        uint16 token ids of the training files, each document (a file, or a part of one:
+                     DOCUMENT_RULES) followed by <eos>
     held_out.npy     the same for the held-out files
     prepared.json    corpus SHA-256, files, Python version, tokenizer SHA-256 and settings,
                      token and byte counts, and the ids of the greedy check's prompts
@@ -26,15 +27,16 @@ from pathlib import Path
 import numpy as np
 
 from rlt_engine.bench.corpus import HELD_OUT_MODULUS, SKIPPED_DIRS, ExtraText, StdlibText, read_stdlib
-from rlt_engine.bench.docstrings import summary_docstrings
 from rlt_engine.bench.greedy import PROMPTS
+from rlt_engine.bench.training_text import definition_documents, summary_docstrings
 from rlt_engine.tokenizer import byte_level_pieces
 
 SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>")  # ids 0, 1, 2 (the trainer puts them first)
 BOS, EOS, PAD = 0, 1, 2
 FORMAT = 1
-# What `prepare` does to the training split's docstrings (docstrings.py says why); held-out text is never cut.
+# What `prepare` does to the training split (training_text.py says why); held-out text is never changed.
 DOCSTRING_RULES = {"summary": summary_docstrings, "keep": lambda text: text}
+DOCUMENT_RULES = {"file": lambda text: [text], "definition": definition_documents}  # each document ends with <eos>
 
 
 @dataclass(frozen=True)
@@ -87,11 +89,11 @@ def _ids(tokenizer, texts: list[str]) -> np.ndarray:
 
 
 def prepare(data_dir: str | Path, vocab_size: int, corpus: StdlibText | None = None,
-            extra: ExtraText | None = None, docstrings: str = "keep") -> Prepared:
+            extra: ExtraText | None = None, docstrings: str = "keep", documents: str = "file") -> Prepared:
     """Train the tokenizer on the training split and write the data directory (see the module doc).
     `extra` (corpus.read_site_packages) joins the training split only, after the stdlib's files;
-    the held-out split stays the stdlib's held-out files. `docstrings` names a DOCSTRING_RULES entry,
-    applied to the training split only."""
+    the held-out split stays the stdlib's held-out files. `docstrings` and `documents` name a
+    DOCSTRING_RULES and a DOCUMENT_RULES entry, applied to the training split only, in that order."""
     import tokenizers
 
     if not 256 + len(SPECIAL_TOKENS) < vocab_size <= 2**16:
@@ -99,8 +101,9 @@ def prepare(data_dir: str | Path, vocab_size: int, corpus: StdlibText | None = N
     corpus = corpus or read_stdlib()
     stdlib_train, held_out_bytes = corpus.split()
     uncut = [*stdlib_train, *([] if extra is None else extra.texts)]
-    train_bytes = [DOCSTRING_RULES[docstrings](t) for t in uncut]
-    stdlib_train_bytes = sum(map(len, train_bytes[: len(stdlib_train)]))
+    cut = [DOCSTRING_RULES[docstrings](t) for t in uncut]
+    stdlib_train_bytes = sum(map(len, cut[: len(stdlib_train)]))
+    train_bytes = [document for text in cut for document in DOCUMENT_RULES[documents](text)]
     train_texts = [t.decode("utf-8") for t in train_bytes]
     held_out_texts = [t.decode("utf-8") for t in held_out_bytes]
     tokenizer = train_tokenizer(train_texts, vocab_size)
@@ -120,6 +123,7 @@ def prepare(data_dir: str | Path, vocab_size: int, corpus: StdlibText | None = N
                    "held_out_bytes": sum(map(len, held_out_bytes)),
                    "docstrings": {"training_split": docstrings, "held_out": "keep",
                                   "train_bytes_before": sum(map(len, uncut))},
+                   "documents": {"training_split": documents, "held_out": "file", "train_documents": len(train_bytes)},
                    "extra": None if extra is None else {**extra.manifest, "file_list": extra.files}},
         "tokenizer": {"kind": "byte-level BPE (tokenizers)", "tokenizers": tokenizers.__version__,
                       "vocab_size": tokenizer.get_vocab_size(), "asked_vocab_size": vocab_size,

@@ -1,11 +1,18 @@
-"""Training text with each docstring cut to its first paragraph (`scripts/train_tiny.py prepare`).
+"""What `scripts/train_tiny.py prepare` does to the training split's text (held-out text is never
+changed, so bits per byte stay comparable with earlier corpora).
 
-Why: the greedy check continues six prompts for 96 tokens and asks for valid Python. Trained on the
-standard library and site-packages, whose docstrings run to dozens of lines (numpy's "Parameters /
-----------" sections), the model opened a docstring and was still inside it 96 tokens later in 3 of
-6 prompts (run 5). Cut to their summaries, docstrings close within a few lines, as PEP 257's
-one-line form does. Only the training split is cut; held-out text stays the stdlib's files as they
-are, so bits per byte stay comparable with earlier corpora.
+`summary_docstrings` cuts each docstring to its first paragraph. Why: the greedy check continues six
+prompts for 96 tokens and asks for valid Python. Trained on the standard library and site-packages,
+whose docstrings run to dozens of lines (numpy's "Parameters / ----------" sections), the model
+opened a docstring and was still inside it 96 tokens later in 3 of 6 prompts (run 5). Cut to their
+summaries, docstrings close within a few lines, as PEP 257's one-line form does (run 6: 1 of 12).
+
+`definition_documents` splits a file into documents at its top-level definitions: the lines before
+the first `def` or `class` (imports, constants), then each top-level definition with its decorators
+and what follows it up to the next one. Each document ends with <eos> in the token stream. Why: the
+greedy check judges the whole text when the model ends it with <eos>, and otherwise cuts at the last
+complete line, which fails when that line opens a block whose body the 96 tokens cut off (3 of run
+6's 7 failures). A model that has seen a definition end with <eos> can end one.
 """
 
 from __future__ import annotations
@@ -81,3 +88,22 @@ def _first_paragraph(literal: bytes, indent: bytes) -> bytes | None:
         return None
     closing = b"\n" + (indent if indent.isspace() else b"") + quote if b"\n" in summary else quote
     return head + summary + closing
+
+
+def definition_documents(source: bytes) -> list[bytes]:
+    """`source` split before each top-level `def` and `class` (at its first decorator); a file that
+    does not parse, or has no definition past its first line, stays one document. Joined, the
+    documents are `source` again."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return [source]
+    starts = sorted({_first_line(node) for node in tree.body
+                     if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))} - {1})
+    line_starts = _line_starts(source)
+    cuts = [0, *(line_starts[line - 1] for line in starts), len(source)]
+    return [source[a:b] for a, b in zip(cuts, cuts[1:], strict=False) if a < b]
+
+
+def _first_line(node: ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    return min([node.lineno, *(d.lineno for d in node.decorator_list)])
