@@ -18,10 +18,12 @@ complete line, which fails when that line opens a block whose body the 96 tokens
 from __future__ import annotations
 
 import ast
+import itertools
 import re
 
 _BLANK_LINE = re.compile(rb"\n[ \t]*\n")
-_DEFINITIONS = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+_TOP_LEVEL_DEFINITIONS = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+_DEFINITIONS = (ast.Module, *_TOP_LEVEL_DEFINITIONS)  # what can open with a docstring
 
 
 def summary_docstrings(source: bytes) -> bytes:
@@ -98,11 +100,10 @@ def definition_documents(source: bytes) -> list[bytes]:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return [source]
-    starts = sorted({_first_line(node) for node in tree.body
-                     if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))} - {1})
+    starts = sorted({_first_line(node) for node in tree.body if isinstance(node, _TOP_LEVEL_DEFINITIONS)} - {1})
     line_starts = _line_starts(source)
     cuts = [0, *(line_starts[line - 1] for line in starts), len(source)]
-    return [source[a:b] for a, b in zip(cuts, cuts[1:], strict=False) if a < b]
+    return [source[a:b] for a, b in itertools.pairwise(cuts) if a < b]
 
 
 def _first_line(node: ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) -> int:
