@@ -464,6 +464,46 @@ def test_a_failing_compile_falls_back_to_eager(prepared: Path, trained: Path, tm
     assert record["model_safetensors_sha256"] == reference["model_safetensors_sha256"]
 
 
+@pytest.mark.timeout(120)
+def test_a_strict_loss_step_relaxes_when_an_op_has_no_deterministic_variant(prepared: Path) -> None:
+    """The strict step (CUDA's default) runs forward and backward without warn_only; an op that strict
+    determinism refuses drops the batch's partial gradients, records the refusal and reruns the batch
+    under warn_only, which is where evaluation and the optimizer stay."""
+    tt = _train_tiny()
+    cfg = tt.TrainConfig(hidden=64, layers=1, intermediate=128, context=16, batch=2, dropout=0.0)
+    data = load_prepared(prepared)
+    model = tt.new_model(cfg, data.vocab_size, "cpu")[0]
+    tokens = torch.from_numpy(data.train[: 2 * (cfg.context + 1)].astype(np.int64)).view(2, -1)
+    step = tt.LossStep(model, cfg, "cpu", "off")
+    expected = step(tokens)[0].item()
+    model.zero_grad(set_to_none=True)
+    step.determinism["strict"] = True  # as on CUDA
+    seen = []
+
+    def refuse_once(batch):
+        seen.append((torch.are_deterministic_algorithms_enabled(),
+                     torch.is_deterministic_algorithms_warn_only_enabled()))
+        if len(seen) == 1:
+            torch.autograd.backward(sum(p.sum() for p in model.parameters()))  # partial gradients to drop
+            raise RuntimeError("scatter_reduce_cuda does not have a deterministic implementation, but you set ...")
+        return step.eager(batch)
+
+    step.fn = refuse_once
+    tt.use_deterministic_kernels()
+    try:
+        loss = step(tokens)[0].item()
+        after = torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert seen == [(True, False), (True, True)] and after
+    assert step.determinism["strict"] is False and "scatter_reduce_cuda" in step.determinism["relaxed_by"]
+    assert loss == expected
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    reference = tt.LossStep(tt.new_model(cfg, data.vocab_size, "cpu")[0], cfg, "cpu", "off")
+    reference(tokens)
+    assert all(torch.equal(g, r.grad) for g, r in zip(grads, reference.model.parameters(), strict=True))
+
+
 @pytest.mark.timeout(300)
 def test_the_trainers_greedy_check_matches_the_engine(prepared: Path, trained: Path) -> None:
     """The trainer's own greedy continuations (no engine, no tokenizers: what the GPU machine prints)
