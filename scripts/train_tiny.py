@@ -33,7 +33,8 @@ and lets the uniform prior weigh the LM losses, at α = 1:
     loss = (1/D) Σ_d L_d  +  [Σ_d p_d sg(L_d) − β H(p)]    (--exit-floor 1 --detach-gate 1)
 
 (sg: stop-gradient); --exit-floor α in between mixes the LM weights (1 − α) p_d + α / D
-(--floor-shape depth: + α d / Σ d instead, square: + α d² / Σ d², so deeper loops get more of the floor). The
+(--floor-shape depth: + α d / Σ d instead, square: + α d² / Σ d², cube: + α d³ / Σ d³, so deeper loops
+get more of the floor). The
 default is α = 0.5, which beat α = 1 at loops 2–4 on the H200 (run 2, docs/benchmarks.md).
 
 Training windows start at line starts (--window-starts line, the default; `any`: at any token, as
@@ -106,7 +107,7 @@ class TrainConfig:
     dropout: float = 0.1
     beta: float = 0.05
     exit_floor: float = 0.5  # α: every loop gets ≥ α q_d of the LM loss weight (ouro_objective)
-    floor_shape: str = "uniform"  # q: "uniform" (1/D), "depth" (d / Σ d) or "square" (d² / Σ d²) (floor_prior)
+    floor_shape: str = "uniform"  # q: "uniform" (1/D), "depth" (d / Σ d), "square" (d²), "cube" (d³) (floor_prior)
     window_starts: str = "line"  # "line": each training window starts a line (WINDOW_STARTS); "any": any token
     detach_gate: bool = True  # the gate learns from detached losses; the LM weights are held constant
     seed: int = 0

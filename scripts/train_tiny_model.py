@@ -67,14 +67,15 @@ def exit_distribution(hazards: torch.Tensor) -> torch.Tensor:
     return torch.cat([exits[:-1], before[-1:]])
 
 
-FLOOR_SHAPES = ("uniform", "depth", "square")
+FLOOR_SHAPES = ("uniform", "depth", "square", "cube")  # d to the power of the index
 
 
 def floor_prior(depth: int, shape: str, like: torch.Tensor) -> torch.Tensor:
-    """The floor's share per loop, [D, 1, 1], summing to 1: uniform 1/D, depth d / Σ d or square d² / Σ d²
-    (a deeper loop gets more of the LM weight, so the last loop, which the exit distribution weighs least
-    when the gate exits early, still gets the most: runs 2 and 3 ended with loop 4 0.1–0.5% above loop 3
-    under uniform, run 4 0.07% above under depth)."""
+    """The floor's share per loop, [D, 1, 1], summing to 1: uniform 1/D, depth d / Σ d, square d² / Σ d²
+    or cube d³ / Σ d³ (a deeper loop gets more of the LM weight, so the last loop, which the exit
+    distribution weighs least when the gate exits early, still gets the most: runs 2 and 3 ended with
+    loop 4 0.1–0.5% above loop 3 under uniform, run 4 0.07% above under depth, run 7 0.34% above under
+    square)."""
     if shape not in FLOOR_SHAPES:
         raise ValueError(f"floor shape {shape!r}: expected one of {', '.join(FLOOR_SHAPES)}")
     d = torch.arange(1, depth + 1, dtype=like.dtype, device=like.device)

@@ -238,6 +238,8 @@ def test_exit_floor_and_detached_gate_split_the_objective() -> None:
     assert torch.allclose(dh3, dh0)  # the floor's shape never reaches the gate
     _, _, dl4, _ = grads(floor=0.5, detach_gate=True, floor_shape="square")
     assert torch.allclose(dl4, 0.5 * p + 0.5 * torch.tensor([1.0, 4.0, 9.0, 16.0]) / 30)  # the floor ∝ d²
+    _, _, dl5, _ = grads(floor=0.5, detach_gate=True, floor_shape="cube")
+    assert torch.allclose(dl5, 0.5 * p + 0.5 * torch.tensor([1.0, 8.0, 27.0, 64.0]) / 100)  # the floor ∝ d³
     with pytest.raises(ValueError, match="floor shape"):
         grads(floor=0.5, floor_shape="linear")
 
