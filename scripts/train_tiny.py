@@ -34,8 +34,8 @@ and lets the uniform prior weigh the LM losses, at α = 1:
 
 (sg: stop-gradient); --exit-floor α in between mixes the LM weights (1 − α) p_d + α / D
 (--floor-shape depth: + α d / Σ d instead, square: + α d² / Σ d², cube: + α d³ / Σ d³, so deeper loops
-get more of the floor). The
-default is α = 0.5, which beat α = 1 at loops 2–4 on the H200 (run 2, docs/benchmarks.md).
+get more of the floor). The default is α = 0.5, which beat α = 1 at loops 2–4 on the H200 (run 2,
+docs/benchmarks.md).
 
 Training windows start at line starts (--window-starts line, the default; `any`: at any token, as
 runs 1 to 6 did; line_starts says why). Residual dropout (--dropout, train mode only) regularises
