@@ -5,7 +5,9 @@ torch backend, a config that asks for none), and each of the five kernels compil
 Triton's own compiler (no GPU needed: PTX through the bundled ptxas) orders its PTX as the PDL
 contract says: one griddepcontrol.wait, launch_dependents right after it, every store after it,
 and before it no global load but add + RMSNorm's norm weights; with PDL off, no griddepcontrol at
-all. The interpreter has no grid dependency control, so it only ever runs the kernels with PDL off
+all. The split-K GEMV (tl.dot with split-K, multiply-add without) loads its slice's first weight
+tile before the wait and calls launch_dependents after its K loop, before any store or atomic.
+The interpreter has no grid dependency control, so it only ever runs the kernels with PDL off
 (the rest of the suite).
 
 GPU (marked gpu): one fused loop pass of synthetic-ouro-1.4b (bf16, context 1,024) captured in a
@@ -95,17 +97,39 @@ KERNELS: dict[str, tuple[Callable[..., object], dict, dict, dict]] = {
 _MEMORY_OP = re.compile(r"\b(griddepcontrol\.\w+|ld\.global|st\.global|cp\.async|atom\.global|red\.global)")
 
 
+# The split-K GEMV (kernels/splitk_gemv.py) at Ouro-1.4B's o shape in bf16, with the divisibility the
+# JIT sees there (every pointer, N, K, the strides and k_per_split are multiples of 16): tl.dot with
+# x's cp.async ring and split-K's partials and counters, and multiply-add without slices.
+SPLITK_KERNELS: dict[str, tuple[dict, dict]] = {
+    "splitk_dot": (dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, EVEN_K=True, SPLIT=True, DOT=True, PRECISION=None),
+                   dict(num_warps=4, num_stages=3)),
+    "splitk_fma": (dict(BLOCK_M=8, BLOCK_N=8, BLOCK_K=512, EVEN_K=True, SPLIT=False, DOT=False, PRECISION=None),
+                   dict(num_warps=4, num_stages=1)),
+}
+SPLITK_TYPES = {"part_ptr": "*fp32", "count_ptr": "*i32"}
+SPLITK_DIVISIBLE = ("N", "K", "stride_xm", "stride_wn", "stride_ym", "k_per_split")
+
+
 def _ptx_memory_ops(name: str, pdl: bool) -> tuple[list[str], bool]:
     """The kernel's griddepcontrol and global memory instructions in PTX order, and its launch_pdl."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn, constexprs, types, options = KERNELS[name]
+    from rlt_worker.kernels import splitk_gemv
+
+    if name in SPLITK_KERNELS:
+        fn, (constexprs, options), types = splitk_gemv._splitk_kernel, SPLITK_KERNELS[name], SPLITK_TYPES
+        divisible = SPLITK_DIVISIBLE
+    else:
+        (fn, constexprs, types, options), divisible = KERNELS[name], ()
     options = KernelLaunch(pdl=pdl).kwargs(**options)  # what a wrapper passes: the PDL constexpr is one of them
     constexprs = {**constexprs, "PDL": options.pop("PDL")}
+    args = list(inspect.signature(fn).parameters)
     signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "*bf16" if arg.endswith("_ptr") else "i32")
-                 for arg in inspect.signature(fn).parameters}
-    source = ASTSource(fn=tb.triton.jit(fn), signature=signature, constexprs=constexprs)
+                 for arg in args}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(args)
+             if arg in divisible or (divisible and arg.endswith("_ptr"))}
+    source = ASTSource(fn=tb.triton.jit(fn), signature=signature, constexprs=constexprs, attrs=attrs)
     kernel = tb.triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     ops = [m.group(1) for line in kernel.asm["ptx"].splitlines() if (m := _MEMORY_OP.search(line))]
     return ops, kernel.metadata.launch_pdl
@@ -128,7 +152,24 @@ def test_pdl_kernels_wait_before_reading_activations_and_before_storing(compiled
         assert before == [], before
 
 
-@pytest.mark.parametrize("name", list(KERNELS))
+@pytest.mark.parametrize("name", list(SPLITK_KERNELS))
+def test_pdl_splitk_gemv_loads_only_its_first_weight_tile_before_the_wait(compiled: None, name: str) -> None:
+    """Before the wait only the slice's first W tile (plain loads: no x, no async copy, no store); the
+    K loop's loads between the wait and launch_dependents; every store and atomic after them."""
+    ops, launch_pdl = _ptx_memory_ops(name, pdl=True)
+    assert launch_pdl is True
+    assert ops.count("griddepcontrol.wait") == 1 and ops.count("griddepcontrol.launch_dependents") == 1, ops
+    wait, launch = ops.index("griddepcontrol.wait"), ops.index("griddepcontrol.launch_dependents")
+    before, loop, after = ops[:wait], ops[wait + 1 : launch], ops[launch + 1 :]
+    assert before and all(op == "ld.global" for op in before), before
+    assert loop and all(op == "ld.global" or op.startswith("cp.async") for op in loop), loop
+    assert "st.global" in after
+    if SPLITK_KERNELS[name][0]["SPLIT"]:
+        assert "atom.global" in after  # the tile counter, after the partial stores
+        assert not any(op.startswith(("st.", "atom.", "red.")) for op in before + loop), ops
+
+
+@pytest.mark.parametrize("name", [*KERNELS, *SPLITK_KERNELS])
 def test_plain_kernels_have_no_grid_dependency_control(compiled: None, name: str) -> None:
     ops, launch_pdl = _ptx_memory_ops(name, pdl=False)
     assert launch_pdl is False

@@ -6,16 +6,21 @@ inner products (tl.dot with input_precision "ieee", and multiply-add):
   - within fp32 accumulation tolerance of the float64 product, and EXACT where every product and
     partial sum is an integer fp32 holds (so no column, K block or slice is missed or counted twice);
   - bit-identical across runs and across M for the same row (batch invariance), the tile counters
-    back at zero after every launch (what a graph replay needs);
+    back at zero after every launch (what a graph replay needs); also for slices of 3-9 K blocks
+    (the loop-carried W tile and its masked load past each slice's end);
   - FusedOuroModel with split-K settings for toy-ouro's shapes equals the torch loop; without
     settings, in float64, or for a shape not listed, it keeps F.linear;
-  - the bench's --sweep runs end to end on shrunken shapes.
+  - the bench's --sweep runs end to end on shrunken shapes; bench_gemv_chain's chain through
+    split-K equals its chain through F.linear.
+CPU, plain: bench_gemv_chain's helpers (a layer's bytes, the chain's column slices, its candidate
+settings) and its refusal to run without CUDA.
 bf16 is checked on the GPU only: the interpreter truncates fp32→bf16 casts instead of rounding them.
 
 GPU (marked gpu): Ouro-1.4B's four packed shapes in bf16 and fp16 within half-precision tolerance of
 torch's fp32 product, float32 within fp32 tolerance (tf32 would miss it by far), bit-identical
 across runs and across M, and the same bits when replayed from a CUDA graph; the same for every
-setting SPLITK_SETTINGS switches on.
+setting SPLITK_SETTINGS switches on. Two chained GEMVs captured with PDL launches and with plain
+ones: every replay the eager plain chain's bits.
 """
 
 from __future__ import annotations
@@ -173,6 +178,45 @@ def check_bench_sweep() -> None:
     assert set(report["winners"]) == {"q|k|v", "o", "gate|up", "down"}
 
 
+def check_slices_of_many_blocks(config: dict) -> None:
+    """K = 130 in 9 blocks of 16, as 1, 2 and 3 slices (9, 5 + 4, 3 + 3 + 3 blocks): the loop-carried
+    W tile and its masked load past each slice's end. Integers exactly (no block missed or counted
+    twice), and row r's bits the same alone, at every M and across runs."""
+    n, k = 50, 130
+    for s in (1, 2, 3):
+        gemv = _gemv(n, k, splits=s, **config)
+        assert gemv.splits == s
+        xi, wi = _inputs(n, k, 8, torch.float32, "cpu", integer=True)
+        assert torch.equal(gemv(xi, wi), (xi.double() @ wi.double().T).float()), f"S{s}: integers"
+        x, w = _inputs(n, k, 8, torch.float32, "cpu")
+        full = gemv(x, w)
+        torch.testing.assert_close(full, (x.double() @ w.double().T).float(), **F32)
+        assert torch.equal(gemv(x, w), full), f"S{s}: two runs differ"
+        for m in (1, 4):
+            assert torch.equal(gemv(x[:m], w), full[:m]), f"S{s}: the first {m} rows"
+        assert torch.equal(gemv(x[7:8], w), full[7:8]), f"S{s}: row 7 alone"
+
+
+def check_bench_chain() -> None:
+    """scripts/bench_gemv_chain.py's chain through split-K (Ouro's shapes shrunk 64×, 2 layers,
+    float32): each GEMV reads a column slice of the last one's output, as F.linear's chain does."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_gemv_chain as bench
+
+    from rlt_worker.kernels.launch import PLAIN
+    from rlt_worker.kernels.splitk_gemv import SplitKConfig
+
+    shrunk = tuple((name, n // 64, k // 64) for name, n, k in bench.LAYER)
+    gen = torch.Generator().manual_seed(1)
+    layers = [[torch.randn(n, k, generator=gen) * k**-0.5 for _, n, k in shrunk] for _ in range(2)]
+    configs = {name: SplitKConfig(block_n=16, block_k=16, splits=2) for name, _, _ in shrunk}
+    gemvs = bench.make_gemvs(configs, PLAIN, 8, torch.device("cpu"), shrunk)
+    for rows in (1, 5):
+        x = torch.randn(rows, shrunk[0][2], generator=gen)
+        got = bench.run_chain(bench.splitk_linear(gemvs), layers, x)
+        torch.testing.assert_close(got, bench.run_chain(F.linear, layers, x), **F32)
+
+
 # The interpreter runs a trimmed grid (a ragged slice count, the fewest and most rows): it interprets
 # every program of every launch, and the whole grid cost a minute of each CI run; the GPU runs all of it.
 INTERP_CASES: dict[str, Callable[[], None]] = {
@@ -186,6 +230,9 @@ INTERP_CASES: dict[str, Callable[[], None]] = {
     "fused-loop-fma": functools.partial(check_fused_loop, False, (5,)),
     "torch-path-kept": check_torch_path_kept,
     "bench-sweep": check_bench_sweep,
+    **{f"slices-of-many-blocks-{'dot' if c['dot'] else 'fma'}": functools.partial(check_slices_of_many_blocks, c)
+       for c in TINY},
+    "bench-chain": check_bench_chain,
 }
 
 
@@ -225,6 +272,51 @@ def test_winning_settings_take_only_shapes_faster_at_every_row_count() -> None:
     }}))
     assert bench_linear.winning_settings(report) == {
         (2048, 2048, torch.bfloat16): SplitKConfig(16, 512, 2, 4, 1, False)}
+
+
+def test_bench_gemv_chain_slices_columns_and_lists_valid_candidates() -> None:
+    """bench_gemv_chain's pure parts: a layer is 102.76 MB of bf16; each GEMV reads the first K columns
+    of its predecessor's output as a view (and refuses a narrower one); the chain over F.linear is
+    that composition; every candidate is a tl.dot SplitKConfig that runs the slices it asks for, at
+    most 6 distinct ones a shape."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_gemv_chain as bench
+
+    from rlt_worker.kernels.splitk_gemv import SplitKConfig, SplitKGemv
+
+    assert bench.layer_bytes() == 102_760_448
+    assert [(n, k) for _, n, k in bench.LAYER] == [(6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632)]
+    y = torch.arange(3 * 12.0).view(3, 12)
+    view = bench.chain_input(y, 5)
+    assert view.shape == (3, 5) and view.data_ptr() == y.data_ptr() and view.stride() == (12, 1)
+    assert torch.equal(view, y[:, :5])
+    with pytest.raises(ValueError):
+        bench.chain_input(y, 13)
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(12, 4), (4, 4), (10, 4), (4, 5)]  # q|k|v, o, gate|up, down in miniature
+    layers = [[torch.randn(n, k, generator=gen) for n, k in shapes] for _ in range(2)]
+    x = torch.randn(2, 4, generator=gen)
+    want = x
+    for weights in layers:
+        for w in weights:
+            want = want[:, : w.shape[1]] @ w.T
+    torch.testing.assert_close(bench.run_chain(F.linear, layers, x), want)
+    assert set(bench.CANDIDATES) == {name for name, _, _ in bench.LAYER}
+    for name, n, k in bench.LAYER:
+        configs = bench.candidates(name)
+        assert 1 <= len(configs) <= 6 and len(set(configs)) == len(configs), name
+        for cfg in configs:
+            assert isinstance(cfg, SplitKConfig) and cfg.dot
+            assert SplitKGemv(n, k, cfg, bench.SPLITK_MAX_ROWS, "cpu").splits == cfg.splits, (name, cfg)
+
+
+def test_bench_gemv_chain_refuses_to_run_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_gemv_chain as bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="CUDA GPU"):
+        bench.main([])
 
 
 # ---- GPU, compiled: Ouro-1.4B's packed shapes ----------------------------------------------------
@@ -285,6 +377,46 @@ def test_gpu_switched_on_settings() -> None:
         pytest.skip("SPLITK_SETTINGS is empty: split-K is off")
     for (n, k, dtype), config in SPLITK_SETTINGS.items():
         check_gpu(n, k, dtype, config)
+
+
+@pytest.mark.gpu
+@interp.needs_cuda
+def test_gpu_pdl_chain_of_two_gemvs_equals_plain_in_a_graph() -> None:
+    """q|k|v then o on q's columns (both split over K, several K blocks a slice), captured in a CUDA
+    graph with PDL launches and with plain ones: every replay gives the eager plain chain's bits."""
+    from rlt_worker.kernels.launch import PLAIN, KernelLaunch
+    from rlt_worker.kernels.splitk_gemv import SplitKConfig, SplitKGemv
+
+    pdl = KernelLaunch.for_device(True, torch.device("cuda"))
+    assert pdl.pdl, f"{torch.cuda.get_device_name()} has no PDL (sm_90+)"
+    (n1, k1), (n2, k2) = OURO_SHAPES[0], OURO_SHAPES[1]
+    cfg = SplitKConfig(block_n=32, block_k=256, splits=2)  # 4 K blocks a slice
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w1 = (torch.randn(n1, k1, device="cuda", generator=gen) * k1**-0.5).bfloat16()
+    w2 = (torch.randn(n2, k2, device="cuda", generator=gen) * k2**-0.5).bfloat16()
+    xs = torch.randn(3, 8, k1, device="cuda", generator=gen).bfloat16()
+
+    def chain(launch: KernelLaunch) -> tuple[Callable[[torch.Tensor], torch.Tensor], list[SplitKGemv]]:
+        g1, g2 = (SplitKGemv(n, k, cfg, 8, "cuda", launch) for n, k in ((n1, k1), (n2, k2)))
+        return (lambda x: g2(g1(x, w1)[:, :k2], w2)), [g1, g2]
+
+    run_plain, _ = chain(PLAIN)
+    want = [run_plain(x) for x in xs]
+    torch.testing.assert_close(want[0], (xs[0].float() @ w1.float().T).bfloat16()[:, :k2].float()
+                               .matmul(w2.float().T).bfloat16(), **HALF[torch.bfloat16])
+    for launch in (PLAIN, pdl):
+        run, gemvs = chain(launch)
+        static_x = xs[0].clone()
+        run(static_x)  # compiled before capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = run(static_x)
+        for i in (1, 2, 0, 1):
+            static_x.copy_(xs[i])
+            graph.replay()
+            assert torch.equal(static_y, want[i]), f"{launch}: replay of input {i}"
+        assert all(int(g._counts.abs().sum()) == 0 for g in gemvs)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ replaces lost to cuBLAS at every Ouro shape), so the K axis is cut into S slices
 
 The program that sums is whichever finishes last, but the sum reads the partials in slice order,
 so its result never depends on scheduling. Each W tile is BLOCK_K contiguous elements per column
-(16-byte vector loads, num_stages in flight); x rows are tiny and come from L2. The inner product
+(16-byte vector loads), the next one in flight while the current one is used (PDL below); x rows
+are tiny and come from L2, through a ring of num_stages cp.async copies. The inner product
 is either tl.dot (x padded to BLOCK_M = 16 rows: tensor cores, input_precision "ieee" for float32,
 so no tf32) or a multiply-add reduced over the tile's K (BLOCK_M = next power of two ≥ max_rows).
 
@@ -26,9 +27,36 @@ and to itself across runs and graph replays. It is not bit-equal to cuBLAS, nor 
 setting (another S sums in another order): within fp32 rounding of the exact product, then one
 rounding to the output dtype.
 
+PDL (`launch=`, kernels/launch.py). A decode layer runs four GEMVs back to back (q|k|v → o →
+gate|up → down), each a stream of its weight; cuBLAS GEMMs are not launched with PDL, so no Triton
+kernel of the pass has a PDL predecessor to overlap. Launched with PDL, a program loads its
+slice's first W tile before gdc_wait (weights are the model's, which no kernel writes), so that
+load is in flight while the predecessor drains; the K loop then loads each next W tile at the end
+of the current iteration (loop-carried), one code path with PDL on or off:
+
+    w = W[cols, k_lo : k_lo + BLOCK_K]                                   before the wait
+    wait
+    for k0 in k_lo, k_lo + BLOCK_K, … < k_hi:
+        acc += x[:, k0 : k0 + BLOCK_K] · wᵀ;   w = W[cols, k0 + BLOCK_K : …]  (masked: none past k_hi)
+    launch_dependents;   partials, counter, the sum, y
+
+The store rule as in launch.py: every load of x, every store and every atomic (partials, counters,
+y) comes after the wait, since the caching allocator may hand y the memory of a tensor the
+predecessor still reads, and the partials and counters are the previous launch's. Unlike the
+elementwise kernels, a GEMV calls gdc_launch_dependents after its K loop, not right after the wait:
+its successor's prologue (its own first W tiles) starts when this grid's last programs finish
+streaming their weight, and overlaps their stores and sums instead of competing for HBM with them.
+The products and their summation order are those of a loop that loads both tiles at k0 (the
+kernel before PDL; their sm_90 PTX has the same floating-point instructions in the same order), and
+PDL on and off give the same bits. The cost: Triton's pipeliner does not ring a loop-carried load,
+so W is one tile ahead in registers instead of num_stages − 1 ahead in shared memory, and tl.dot
+takes it through shared memory (at num_stages = 1 a program's shared memory grows by one W tile).
+
 Workspace: one SplitKGemv per (weight shape, setting) holds its partials and counters, allocated
 once at construction (outside any CUDA graph); launches that share one must be stream-ordered
-(one pass at a time on one stream, as the worker runs them). No host synchronization.
+(one pass at a time on one stream, as the worker runs them; PDL keeps that order, since a launch
+touches its workspace only after its wait, when every earlier launch has finished). No host
+synchronization.
 """
 
 from __future__ import annotations
@@ -40,6 +68,12 @@ from typing import Any
 import torch
 
 from rlt_worker.attention.triton_backend import _check_device, _interpreting, tl, triton
+from rlt_worker.kernels.launch import PLAIN, KernelLaunch
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - exercised only without Triton
+    gdc_wait = gdc_launch_dependents = None
 
 __all__ = ["SUPPORTED_DTYPES", "SplitKConfig", "SplitKGemv"]
 
@@ -50,7 +84,7 @@ def _splitk_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_wn, stride_ym, k_per_split, num_splits,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """Column tile j, K slice s: the partial x·W[cols]ᵀ over the slice; the tile's last slice sums them."""
     tile = tl.program_id(0)
@@ -65,19 +99,34 @@ def _splitk_kernel(
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :]
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    # The slice's first W tile, before the PDL wait (no kernel writes weights). A slice is never
+    # empty (k_lo < k_hi), and within it (k0 + ks) < k_hi is (k0 + ks) < K: only the last slice ends
+    # at K, the others at a whole K block.
+    if EVEN_K:  # no mask along K: the loads stay 16-byte vectors
+        w = tl.load(w_ptrs + k_lo, mask=col_ok[:, None], other=0.0)
+    else:
+        w = tl.load(w_ptrs + k_lo, mask=col_ok[:, None] & ((k_lo + ks) < k_hi)[None, :], other=0.0)
+    if PDL:
+        gdc_wait()  # x, the partials, the counters and y: after the predecessor
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if EVEN_K:  # no mask along K: the loads stay 16-byte vectors
-            w = tl.load(w_ptrs + k0, mask=col_ok[:, None], other=0.0)
+        if EVEN_K:
             x = tl.load(x_ptrs + k0, mask=row_ok[:, None], other=0.0)
         else:
-            k_ok = (k0 + ks) < K
-            w = tl.load(w_ptrs + k0, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs + k0, mask=row_ok[:, None] & ((k0 + ks) < K)[None, :], other=0.0)
         if DOT:
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         else:
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        # The next iteration's W tile (loop-carried); past the slice's end the mask loads nothing.
+        # (A column bound, not `col_ok & (k1 < k_hi)`: the interpreter rejects a scalar in a mask.)
+        k1 = k0 + BLOCK_K
+        if EVEN_K:
+            w = tl.load(w_ptrs + k1, mask=(cols < tl.where(k1 < k_hi, N, 0))[:, None], other=0.0)
+        else:
+            w = tl.load(w_ptrs + k1, mask=col_ok[:, None] & ((k1 + ks) < k_hi)[None, :], other=0.0)
+    if PDL:
+        gdc_launch_dependents()  # the successor's prologue overlaps this grid's last programs' stores
     out_ok = row_ok[:, None] & col_ok[None, :]
     y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
     if SPLIT:
@@ -131,17 +180,18 @@ class SplitKGemv:
 
     One instance may serve many weights of its shape (a model's layers), one launch at a time on a
     stream. Call it with x [M, K] (unit column stride, any row stride; M ≤ max_rows) and a weight
-    [N, K] (row-major) of x's dtype; the result is a new [M, N] tensor of that dtype.
+    [N, K] (row-major) of x's dtype; the result is a new [M, N] tensor of that dtype. `launch`:
+    PDL or plain launches (module docstring), the same bits either way.
     """
 
     def __init__(self, out_features: int, in_features: int, config: SplitKConfig, max_rows: int,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, launch: KernelLaunch = PLAIN) -> None:
         _check_device()  # Triton is importable
         if out_features < 1 or in_features < 1 or max_rows < 1:
             raise ValueError(f"SplitKGemv needs positive sizes, got {out_features}×{in_features}, "
                              f"max_rows {max_rows}")
         self.out_features, self.in_features = out_features, in_features
-        self.config, self.max_rows = config, max_rows
+        self.config, self.max_rows, self.launch = config, max_rows, launch
         self.block_m = 16 if config.dot else triton.next_power_of_2(max_rows)
         if self.block_m < max_rows:
             raise ValueError(f"SplitKGemv: tl.dot pads rows to 16; max_rows {max_rows} does not fit")
@@ -174,13 +224,12 @@ class SplitKGemv:
         if m == 0:
             return y
         cfg = self.config
-        options = {} if _interpreting() else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         _jitted(_interpreting())[self._grid](
             x, weight, y, self._partials if self._partials is not None else y, self._counts,
             m, n, k, x.stride(0), weight.stride(0), y.stride(0), self._k_per_split, self.splits,
             BLOCK_M=self.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
             SPLIT=self.splits > 1, DOT=cfg.dot, PRECISION="ieee" if x.dtype == torch.float32 else None,
-            **options,
+            **self.launch.kwargs(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         )
         return y
 
