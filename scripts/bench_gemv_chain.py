@@ -153,22 +153,12 @@ def capture(run: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torc
 
 def time_graph(graph: torch.cuda.CUDAGraph, batches: int, per_batch: int) -> float:
     """Median ms per replay over `batches` batches of `per_batch` back-to-back replays, after 3 warm-up ones."""
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(batches):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(per_batch):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / per_batch)
-    return statistics.median(times)
+    return time_graphs({"graph": graph}, batches, per_batch)["graph"]
 
 
 def time_graphs(graphs: dict[str, torch.cuda.CUDAGraph], batches: int, per_batch: int) -> dict[str, float]:
-    """time_graph for several graphs, their batches interleaved (clock drift falls on every mode alike)."""
+    """Median ms per replay of each graph (batches of `per_batch` back-to-back replays after 3 warm-up ones),
+    their batches interleaved: clock drift falls on every mode alike."""
     for graph in graphs.values():
         for _ in range(3):
             graph.replay()
