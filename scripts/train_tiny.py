@@ -41,7 +41,8 @@ Training windows start at line starts (--window-starts line, the default; `any`:
 runs 1 to 6 did; line_starts says why). Residual dropout (--dropout, train mode only) regularises
 the many epochs the small corpus takes.
 On CUDA: bf16 autocast, fused AdamW, torch.compile (falls back to eager if it fails), --max-seconds
-as a safety stop that still evaluates and saves. Everything is seeded: on the CPU the same command
+as a safety stop that still evaluates and saves (--stop-after N repeats such a cut at step N).
+Everything is seeded: on the CPU the same command
 reproduces the loss bit for bit. On CUDA --deterministic 1 (the default) asks for deterministic
 kernels, strictly in the loss step (flash attention's backward is deterministic only so); without
 it, two seeded H200 runs ended 1.1% apart (run 3), and under warn_only alone 1.05% (run 6).
@@ -298,7 +299,19 @@ def new_model(cfg: TrainConfig, vocab_size: int, device: str):
     return model, optimizer, config
 
 
-def train(cfg: TrainConfig, data: Prepared, device: str, compile_mode: str, max_seconds: float, log_every: int):
+def early_stop(done: int, elapsed_s: float, max_seconds: float, stop_after: int | None) -> str | None:
+    """Why the run ends before its schedule does, if it does. --stop-after ends it at a fixed step of the
+    same cosine, so a run that --max-seconds cut (its step depends on the machine's speed) can be
+    repeated exactly: the shipped checkpoint was cut by time at step 2,047 of 2,442."""
+    if elapsed_s >= max_seconds:
+        return f"--max-seconds {max_seconds:g} reached"
+    if stop_after is not None and done >= stop_after:
+        return f"--stop-after {stop_after} reached"
+    return None
+
+
+def train(cfg: TrainConfig, data: Prepared, device: str, compile_mode: str, max_seconds: float, log_every: int,
+          stop_after: int | None = None):
     """(model, record): AdamW on windows drawn by a generator seeded with cfg.seed, bf16 autocast on CUDA."""
     progress = Progress(cfg, log_every)
     torch.manual_seed(cfg.seed)
@@ -326,11 +339,11 @@ def train(cfg: TrainConfig, data: Prepared, device: str, compile_mode: str, max_
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=step.on_cuda)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        out_of_time = progress.elapsed() >= max_seconds
-        if progress.due(done) or out_of_time:
+        reason = early_stop(done, progress.elapsed(), max_seconds, stop_after) if done < cfg.steps else None
+        if progress.due(done) or reason:
             progress.log(done, loss, expected, lr_at(done - 1, cfg))
-        if out_of_time:
-            stopped = {"at_step": done, "of_steps": cfg.steps, "reason": f"--max-seconds {max_seconds:g} reached"}
+        if reason:
+            stopped = {"at_step": done, "of_steps": cfg.steps, "reason": reason}
             print(f"stopping early: {stopped['reason']} after {done} of {cfg.steps} steps", flush=True)
             break
         if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
@@ -353,7 +366,8 @@ def train(cfg: TrainConfig, data: Prepared, device: str, compile_mode: str, max_
     record = {
         "train_config": asdict(cfg), "model_config": config, "compile": step.compile,
         "determinism": step.determinism,
-        "max_seconds": None if math.isinf(max_seconds) else max_seconds, "stopped_early": stopped,
+        "max_seconds": None if math.isinf(max_seconds) else max_seconds, "stop_after": stop_after,
+        "stopped_early": stopped,
         "parameters": sum(p.numel() for p in model.parameters()),
         "steps_run": done, "tokens_seen": done * progress.tokens_per_step,
         "epochs": round(done * progress.tokens_per_step / len(data.train), 2),
@@ -476,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="torch.compile (auto: on CUDA)")
     run.add_argument("--max-seconds", type=float, default=math.inf,
                      help="stop and save once training (from the first step) has run this long")
+    run.add_argument("--stop-after", type=int, default=None,
+                     help="stop and save after this many steps of the --steps schedule (repeats a time-cut run)")
     for field, default in asdict(TrainConfig()).items():
         kind = _flag if isinstance(default, bool) else type(default)
         choices = {"floor_shape": FLOOR_SHAPES, "window_starts": tuple(WINDOW_STARTS)}.get(field)
@@ -495,7 +511,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"data: {len(data.train):,} training tokens, {len(data.held_out):,} held out, vocab {data.vocab_size}, "
           f"corpus sha256 {data.meta['corpus']['sha256'][:16]}…; {cfg.steps} steps × {cfg.batch} × {cfg.context} "
           f"= {cfg.steps * cfg.batch * cfg.context / len(data.train):.1f} epochs", flush=True)
-    model, record = train(cfg, data, args.device, args.compile, args.max_seconds, args.log_every)
+    if args.stop_after is not None and not 1 <= args.stop_after <= cfg.steps:
+        parser.error(f"--stop-after {args.stop_after}: expected a step from 1 to --steps ({cfg.steps})")
+    model, record = train(cfg, data, args.device, args.compile, args.max_seconds, args.log_every, args.stop_after)
     write_checkpoint(model, record, data, Path(args.out), args.device, argv)
     return 0
 

@@ -448,6 +448,26 @@ def test_max_seconds_stops_early_and_still_saves(prepared: Path, tmp_path: Path)
 
 
 @pytest.mark.timeout(300)
+def test_stop_after_repeats_a_cut_run_on_the_same_schedule(prepared: Path, tmp_path: Path) -> None:
+    """--stop-after 2 of a 4-step schedule: the first two steps of the whole run, the same learning
+    rates included (a 2-step schedule would anneal sooner), and the stop recorded."""
+    runs = {}
+    for name, extra in (("whole", []), ("cut", ["--stop-after", "2"])):
+        out = tmp_path / name
+        assert _train_tiny().main(["train", "--data", str(prepared), "--out", str(out), *SMALL, "--steps", "4",
+                                   "--log-every", "1", "--gate-steps", "0", *extra]) == 0
+        runs[name] = json.loads((out / "training.json").read_text())
+    strip = lambda rows: [{k: r[k] for k in ("step", "loss", "lr")} for r in rows]  # noqa: E731
+    assert strip(runs["cut"]["history"]) == strip(runs["whole"]["history"])[:2]
+    assert runs["cut"]["steps_run"] == 2 and runs["cut"]["stop_after"] == 2
+    assert runs["cut"]["stopped_early"] == {"at_step": 2, "of_steps": 4, "reason": "--stop-after 2 reached"}
+    assert runs["whole"]["stopped_early"] is None
+    with pytest.raises(SystemExit):
+        _train_tiny().main(["train", "--data", str(prepared), "--out", str(tmp_path / "bad"), *SMALL,
+                            "--steps", "4", "--stop-after", "5"])
+
+
+@pytest.mark.timeout(300)
 def test_a_failing_compile_falls_back_to_eager(prepared: Path, trained: Path, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """torch.compile raising at the first step: the run says so and trains eagerly, as --compile off does."""
