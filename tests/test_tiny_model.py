@@ -83,12 +83,6 @@ def test_the_default_model_is_the_shipped_checkpoint() -> None:
     assert resolve_model("toy-ouro") == "toy-ouro"  # anything else passes through
 
 
-# The shipped checkpoint (H200 run 4 a, docs/benchmarks.md) misses issue 20's greedy target (3 of 6
-# valid on the H200): its test asserts the target and is expected to fail until a checkpoint meets it;
-# strict, so the day one does it reports it and the mark must go.
-PENDING_CHECKPOINT = pytest.mark.xfail(strict=True, reason="issue 20: the shipped checkpoint misses the greedy target")
-
-
 def test_shipped_checkpoint_meets_issue_20_bounds_and_its_training_record() -> None:
     """Ouro with its gate, D = 4, ≥ 1,024 positions, ≤ 24 MB of weights whose SHA-256 is the recorded
     one, a byte-level BPE tokenizer.json of the model's vocabulary, trained on the corpus it names."""
@@ -116,7 +110,6 @@ def test_shipped_checkpoint_loads_through_the_ordinary_loader() -> None:
     assert tokenizer.decode([*ids, *specials]) == text  # specials print nothing
 
 
-@PENDING_CHECKPOINT
 @pytest.mark.timeout(600)
 def test_shipped_model_continues_python_prompts_with_valid_python() -> None:
     """Issue 20: greedy, 96 tokens, ≥ 4 of the 6 prompts give valid Python (cut at the last complete
