@@ -127,7 +127,12 @@ def check_graphed_test_equals_eager(runner: ModelRunner, exit_test: ExitTest) ->
         device_slots, device_positions, device_depths = runner.upload(slots, positions, depths)
         eager_exits = test.apply(runner, device_slots, device_positions, device_depths, graphs.max_width, None).cpu()
         assert torch.equal(graphed_exits, eager_exits), (n, graphed_exits, eager_exits)
-        assert torch.equal(graphed_values, cursors.exit_values[:num_slots]), n
+        # The graph's gate product runs at the bucket's row count, and the BLAS may sum a row in
+        # another order there (1 ulp in float64 on an AMD EPYC VM); the slots the pass did not run
+        # stay as they were bit for bit (below).
+        eps = torch.finfo(graphed_values.dtype).eps
+        torch.testing.assert_close(graphed_values, cursors.exit_values[:num_slots], rtol=0, atol=4 * eps,
+                                   msg=lambda e, n=n: f"{n} rows: {e}")
         untouched = np.setdiff1d(np.arange(num_slots), slots)
         assert torch.equal(graphed_values[untouched].cpu(), before[untouched].cpu()), n
         assert graphed_exits.any() and not graphed_exits.all() or n < 5, (n, graphed_exits)  # both decisions occur
