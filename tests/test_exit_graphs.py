@@ -128,7 +128,7 @@ def check_graphed_test_equals_eager(runner: ModelRunner, exit_test: ExitTest) ->
         eager_exits = test.apply(runner, device_slots, device_positions, device_depths, graphs.max_width, None).cpu()
         assert torch.equal(graphed_exits, eager_exits), (n, graphed_exits, eager_exits)
         # The graph's gate product runs at the bucket's row count, and the BLAS may sum a row in
-        # another order there (1 ulp in float64 on an AMD EPYC VM); the slots the pass did not run
+        # another order there (1.1e-16 in float64 on an AMD EPYC VM); the slots the pass did not run
         # stay as they were bit for bit (below).
         eps = torch.finfo(graphed_values.dtype).eps
         torch.testing.assert_close(graphed_values, cursors.exit_values[:num_slots], rtol=0, atol=4 * eps,
