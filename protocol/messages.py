@@ -32,7 +32,8 @@ from protocol.columns import F64, I32, I64, U64, Columnar
 #    WorkerConfig.exit_tests (the DecodeBatch exit tests whose CUDA graphs the worker captures at start-up).
 # 10: WorkerConfig.launch_pdl (the decode pass's Triton kernels with programmatic dependent launch).
 # 11: WorkerConfig.device_refill (gate exits' passes with no readback between them).
-PROTOCOL_VERSION = 11
+# 12: WorkerReady.prefill_token_buckets (the engine sizes a step's prompt tokens to a captured bucket).
+PROTOCOL_VERSION = 12
 
 
 class Stage(enum.IntEnum):
@@ -128,6 +129,9 @@ class WorkerReady(msgspec.Struct, tag=True, array_like=True, kw_only=True):
     max_depth: int  # D, resolved from the model (ModelInfo.default_depth) when the config's max_loops was 0
     model: ModelInfo
     pid: int
+    # Token counts of the PREFILL passes the worker replays from CUDA graphs, ascending; a batch is
+    # padded up to the next one. Empty: prefill runs eagerly, so any count costs what it holds.
+    prefill_token_buckets: tuple[int, ...] = ()
 
 
 class Heartbeat(msgspec.Struct, tag=True, array_like=True):

@@ -70,6 +70,7 @@ class LLMEngine:
             mixed_batches=config.mixed_batches,
             max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
             prefill_tokens_per_decoding_row=config.prefill_tokens_per_decoding_row,
+            prefill_token_buckets=ready.prefill_token_buckets,
         )
         self.scheduler = Scheduler(scheduler_config, self.policy, kv_managers, self.rng)
         self._in_flight = [0] * len(readies)  # per worker: plans submitted whose result is not read yet

@@ -19,8 +19,15 @@ first running prompt gets min(cap, prefill_chunk_size, what is left of it) token
 full rule's budget is ≥ 1 whenever a prompt is running: rows ≤ max_num_seqs ≤ max_num_batched_tokens),
 so prompts finish in arrival order.
 A capped step's prompt rows are one PrefillBatch of ≤ cap tokens, inside the prefill graphs'
-largest bucket (max_num_batched_tokens) as every step's are: a cap that is itself a token bucket
-(a power of two ≤ 512, or a multiple of 512) pads least.
+largest bucket (max_num_batched_tokens) as every step's are.
+
+    bucket-aligned (when the worker replays PREFILL passes from graphs, WorkerReady.prefill_token_buckets):
+             either rule's tokens, rounded down to the largest bucket ≤ them
+
+A graphed batch is padded up to the next bucket (16, 32, …, 512, then multiples of 512), and past 512
+rows a pass's GEMMs grow with its padded rows: a per-row cap of 16 × 70 requests (1,120 tokens) ran
+as a 1,536-row pass. Rounded down, a step of whole 512-token chunks fills its bucket exactly; the
+tokens left over go into the next step, which costs no more than the padding would have.
 """
 
 from __future__ import annotations
@@ -57,9 +64,24 @@ class DecodeAwareBudget:
         return budget
 
 
-def make_prefill_budget(max_prefill_tokens_while_decoding: int, prefill_tokens_per_decoding_row: int
-                        ) -> PrefillBudget:
-    """0: today's rule (FullBudget); else the decode-aware cap."""
+class BucketAlignedBudget:
+    """Another budget's tokens rounded down to the largest prefill graph bucket ≤ them (module docstring).
+
+    Below the smallest bucket the tokens stay as they are: that bucket is the least any batch costs."""
+
+    def __init__(self, inner: PrefillBudget, buckets: tuple[int, ...]) -> None:
+        self.inner, self.buckets = inner, tuple(sorted(buckets))
+
+    def tokens(self, running: list[Request], budget: int) -> int:
+        tokens = self.inner.tokens(running, budget)
+        return max((b for b in self.buckets if b <= tokens), default=tokens)
+
+
+def make_prefill_budget(max_prefill_tokens_while_decoding: int, prefill_tokens_per_decoding_row: int,
+                        prefill_token_buckets: tuple[int, ...] = ()) -> PrefillBudget:
+    """0: today's rule (FullBudget); else the decode-aware cap. Either is bucket-aligned when the worker
+    has prefill graph buckets."""
+    budget: PrefillBudget = FullBudget()
     if max_prefill_tokens_while_decoding:
-        return DecodeAwareBudget(max_prefill_tokens_while_decoding, prefill_tokens_per_decoding_row)
-    return FullBudget()
+        budget = DecodeAwareBudget(max_prefill_tokens_while_decoding, prefill_tokens_per_decoding_row)
+    return BucketAlignedBudget(budget, prefill_token_buckets) if prefill_token_buckets else budget

@@ -79,6 +79,8 @@ class SchedulerConfig:
     mixed_batches: bool = False  # prompt chunks ride the loop passes of the step's decode rows
     max_prefill_tokens_while_decoding: int = 0  # prompt tokens per step while a request decodes (0: no cap)
     prefill_tokens_per_decoding_row: int = 0  # the cap grows to this × decoding requests (0: a fixed cap)
+    # The worker's PREFILL graph buckets (WorkerReady): a step's prompt tokens are rounded down to one.
+    prefill_token_buckets: tuple[int, ...] = ()
 
 
 @dataclass
@@ -105,7 +107,8 @@ class Scheduler(SchedulerFaults):
         self.preemption = make_preemption(config.preemption)
         self.mixing = make_prefill_mixing(config.mixed_batches)
         self.prefill_budget = make_prefill_budget(config.max_prefill_tokens_while_decoding,
-                                                  config.prefill_tokens_per_decoding_row)
+                                                  config.prefill_tokens_per_decoding_row,
+                                                  config.prefill_token_buckets)
         exit_test = policy.exit_test
         if exit_test is None and config.loops_per_plan > 1:
             # Several passes per plan: planned positions loop in the worker's decode loop too, so a row

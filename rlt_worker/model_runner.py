@@ -188,6 +188,12 @@ class ModelRunner:
         return None if self._graphs is None else self._graphs.stats.as_dict()
 
     @property
+    def prefill_token_buckets(self) -> tuple[int, ...]:
+        """The token counts PREFILL passes replay from graphs at, ascending (empty: prefill runs eagerly)."""
+        prefill = None if self._graphs is None else self._graphs.prefill
+        return () if prefill is None else prefill.token_buckets
+
+    @property
     def num_swapped(self) -> int:
         """Slots whose state and pages are held in host memory (swap preemption)."""
         return len(self._swap)

@@ -121,6 +121,7 @@ class Worker:
             max_depth=max_depth,
             model=info,
             pid=os.getpid(),
+            prefill_token_buckets=self.runner.prefill_token_buckets,
         )
 
     def _auto_num_blocks(self, info, dtype: torch.dtype, device: torch.device) -> int:

@@ -6,11 +6,14 @@ max_num_batched_tokens; a prompt that arrives while others decode gets its first
 ⌈prompt / min(cap, chunk)⌉ steps. Engine runs (CPU, float64, toy models): tokens, exit depths and
 finish reasons are exactly those of the uncapped engine and the dense reference for fixed, trace and
 ouro in both KV layouts, the cap holds in every plan that carries decode rows, and under (emulated)
-prefill graphs every capped prefill batch replays from a graph.
+prefill graphs every capped prefill batch replays from a graph. Bucket-aligned budgets (the worker's
+prefill graph buckets): a step's prompt tokens round down to a bucket, and under emulated prefill graphs
+no capped batch is padded while the outputs stay the same.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -33,7 +36,7 @@ from protocol.messages import ExecutionPlan, PrefillBatch
 from rlt_engine.bench.throughput import parse_args
 from rlt_engine.cli import engine_config, serve_parser
 from rlt_engine.config import EngineConfig
-from rlt_engine.prefill_budget import DecodeAwareBudget, FullBudget
+from rlt_engine.prefill_budget import BucketAlignedBudget, DecodeAwareBudget, FullBudget, make_prefill_budget
 from rlt_engine.scheduler import Scheduler
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -120,6 +123,39 @@ def test_no_cap_keeps_todays_rule() -> None:
     assert isinstance(decoding_scheduler(cap=8, chunk=8).prefill_budget, DecodeAwareBudget)
 
 
+BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 1536, 2048)  # token_buckets(2048, 2048) of the prefill graphs
+
+
+@pytest.mark.parametrize(("tokens", "aligned"), [(2043, 1536), (1120, 1024), (700, 512), (512, 512), (100, 64),
+                                                 (10, 10)])
+def test_bucket_aligned_budget_rounds_down_to_a_bucket(tokens: int, aligned: int) -> None:
+    """The largest bucket ≤ the inner rule's tokens; below the smallest bucket, the tokens unchanged."""
+    assert BucketAlignedBudget(FullBudget(), BUCKETS).tokens([], tokens) == aligned
+
+
+def test_bucket_alignment_only_with_buckets() -> None:
+    """No buckets (prefill runs eagerly: the CPU, or graphs off): the rule itself; with buckets, either
+    rule aligned."""
+    assert isinstance(make_prefill_budget(0, 0), FullBudget)
+    assert isinstance(make_prefill_budget(512, 16), DecodeAwareBudget)
+    aligned = make_prefill_budget(512, 16, BUCKETS)
+    assert isinstance(aligned, BucketAlignedBudget) and isinstance(aligned.inner, DecodeAwareBudget)
+    assert isinstance(make_prefill_budget(0, 0, BUCKETS).inner, FullBudget)
+
+
+def test_aligned_steps_carry_whole_buckets() -> None:
+    """Cap 12 over chunks of 8 with buckets 4, 8, 16: while three requests decode, two arriving
+    40-token prompts get 8 tokens a step (a whole bucket), not 8 + 4."""
+    scheduler = make_scheduler(max_prefill_tokens_while_decoding=12, prefill_chunk_size=8, num_blocks=512,
+                               max_num_seqs=6, prefill_token_buckets=(4, 8, 16))
+    decoding = add_requests(scheduler, 3, prompt_len=12, max_tokens=60, prefix="d")
+    while any(r.num_outputs == 0 for r in decoding):
+        run_step(scheduler)
+    late = add_requests(scheduler, 2, prompt_len=40, max_tokens=4, prefix="p")
+    counts = [prompt_tokens(run_step(scheduler)) for _ in range(10)]
+    assert counts == [8] * 10 and [r.num_prefilled for r in late] == [40, 40]
+
+
 def test_option_and_flag() -> None:
     assert EngineConfig().max_prefill_tokens_while_decoding == 512
     assert EngineConfig(max_prefill_tokens_while_decoding=0).max_prefill_tokens_while_decoding == 0
@@ -151,13 +187,19 @@ def jobs_for(mode: str) -> list[Job]:
                          spread=1)
 
 
-def run_jobs(mode: str, jobs: list[Job], cap: int, emulate_graphs: bool = False, **options: object) -> Driver:
+def run_jobs(mode: str, jobs: list[Job], cap: int, emulate_graphs: bool = False, aligned: bool = False,
+             **options: object) -> Driver:
+    """`aligned`: the scheduler rounds to the emulated prefill graphs' buckets, as an engine does with the
+    buckets a CUDA worker reports (here the graphs come after the engine started, so it is told later)."""
     settings = dict(exit_mode=mode, max_num_seqs=4, prefill_chunk_size=8, max_prefill_tokens_while_decoding=cap,
                     prefill_tokens_per_decoding_row=0)  # the fixed cap (the per-row term has its own test)
     with make_llm("toy-ouro", **(settings | options)) as llm:
         runner = llm.engine.executor._worker.runner
+        assert llm.engine.scheduler.config.prefill_token_buckets == ()  # a CPU worker prefills eagerly
         if emulate_graphs:
             runner.use_pass_graphs(emulate=True, prefill=True)
+        if aligned:
+            llm.engine.scheduler.prefill_budget = make_prefill_budget(cap, 0, runner.prefill_token_buckets)
         run = run_workload(llm, jobs)
         run.graph_stats = runner.graph_stats
         run.assert_resources_returned()
@@ -199,3 +241,21 @@ def test_capped_prefill_replays_from_graphs() -> None:
     assert stats["prefill_eager"] == 0 and stats["prefill_replays"] == DEPTH["toy-ouro"] * batches > 0
     assert not over_cap(capped, 16) and over_cap(uncapped, 16)
     assert finals(capped) == finals(uncapped)
+
+
+def test_aligned_prefill_pads_less() -> None:
+    """Emulated decode and prefill graphs, prompts of whole 16-token chunks and a cap of 40 while
+    decoding, which the plain rule fills as 16 + 16 + 8 (padded to the 64-token bucket, and the prompt
+    cut at 8 is misaligned from then on): aligned to the worker's buckets (16, 32, 64), plans with decode
+    rows carry at most 32 prompt tokens, no prefill row is padded (every batch is 16 or 32 whole-chunk
+    tokens), and the tokens and exit depths
+    are those of the unaligned run and the dense reference."""
+    jobs = [dataclasses.replace(job, prompt=(job.prompt * 48)[: 16 * math.ceil(len(job.prompt) / 16)])
+            for job in jobs_for("trace")]
+    options = dict(emulate_graphs=True, prefill_chunk_size=16, max_num_seqs=8)
+    plain = run_jobs("trace", jobs, 40, **options)
+    aligned = run_jobs("trace", jobs, 40, aligned=True, **options)
+    assert plain.graph_stats["prefill_padded_rows"] > 0 == aligned.graph_stats["prefill_padded_rows"]
+    assert over_cap(plain, 32) and not over_cap(aligned, 32)
+    assert finals(aligned) == finals(plain)
+    assert_matches_reference(aligned, "toy-ouro", kv_layout="last_exited", exit_mode="trace")

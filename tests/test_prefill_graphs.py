@@ -136,9 +136,11 @@ def test_startup_capture_covers_every_prefill_bucket() -> None:
     then replays only (toy models: max_model_len 512 caps the token buckets)."""
     with make_llm("toy-ouro", exit_mode="trace", prefill_chunk_size=16, max_num_seqs=6) as llm:
         runner = llm.engine.executor._worker.runner
+        assert runner.prefill_token_buckets == ()  # what a worker reports when it prefills eagerly
         runner.use_pass_graphs(emulate=True, prefill=True)
         runner.capture_pass_graphs()
         buckets = token_buckets(2048, 512)
+        assert runner.prefill_token_buckets == buckets  # what WorkerReady carries to the engine's budget
         expected = sum(len(chunk_buckets(t, 6)) for t in buckets)
         assert runner.graph_stats["prefill_startup_captures"] == expected == 6 * 4  # tokens 16 … 512 × chunks 1 … 8
         run = run_workload(llm, _workloads("toy-ouro")["chunked"])
