@@ -22,12 +22,14 @@ A capped step's prompt rows are one PrefillBatch of ≤ cap tokens, inside the p
 largest bucket (max_num_batched_tokens) as every step's are.
 
     bucket-aligned (when the worker replays PREFILL passes from graphs, WorkerReady.prefill_token_buckets):
-             either rule's tokens, rounded down to the largest bucket ≤ them
+             either rule's tokens, moved to the nearest bucket (ties up; never past the decode rows'
+             leftover of max_num_batched_tokens, the largest bucket ≤ it)
 
 A graphed batch is padded up to the next bucket (16, 32, …, 512, then multiples of 512), and past 512
 rows a pass's GEMMs grow with its padded rows: a per-row cap of 16 × 70 requests (1,120 tokens) ran
-as a 1,536-row pass. Rounded down, a step of whole 512-token chunks fills its bucket exactly; the
-tokens left over go into the next step, which costs no more than the padding would have.
+as a 1,536-row pass. Moved to a bucket, a step of whole 512-token chunks fills it exactly, and a
+prompt keeps whole chunks (the budget no longer cuts one short); on average a step carries what the
+rule gave it.
 """
 
 from __future__ import annotations
@@ -65,16 +67,23 @@ class DecodeAwareBudget:
 
 
 class BucketAlignedBudget:
-    """Another budget's tokens rounded down to the largest prefill graph bucket ≤ them (module docstring).
+    """Another budget's tokens moved to the nearest prefill graph bucket (module docstring).
 
-    Below the smallest bucket the tokens stay as they are: that bucket is the least any batch costs."""
+    Nearest, not below: rounding a per-row cap of 912 down to 512 halved the prompt tokens per step on
+    the H200, so prompts waited twice as long and the decode passes ran half as full. Ties go up. Below
+    the smallest bucket the tokens stay as they are: that bucket is the least any batch costs."""
 
     def __init__(self, inner: PrefillBudget, buckets: tuple[int, ...]) -> None:
         self.inner, self.buckets = inner, tuple(sorted(buckets))
 
     def tokens(self, running: list[Request], budget: int) -> int:
         tokens = self.inner.tokens(running, budget)
-        return max((b for b in self.buckets if b <= tokens), default=tokens)
+        below = max((b for b in self.buckets if b <= tokens), default=None)
+        # Up only within the decode rows' leftover: rows + prompt tokens stay ≤ max_num_batched_tokens.
+        above = min((b for b in self.buckets if tokens <= b <= budget), default=None)
+        if below is None or above is None:
+            return tokens if below is None else below
+        return above if above - tokens <= tokens - below else below
 
 
 def make_prefill_budget(max_prefill_tokens_while_decoding: int, prefill_tokens_per_decoding_row: int,

@@ -126,11 +126,19 @@ def test_no_cap_keeps_todays_rule() -> None:
 BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 1536, 2048)  # token_buckets(2048, 2048) of the prefill graphs
 
 
-@pytest.mark.parametrize(("tokens", "aligned"), [(2043, 1536), (1120, 1024), (700, 512), (512, 512), (100, 64),
-                                                 (10, 10)])
-def test_bucket_aligned_budget_rounds_down_to_a_bucket(tokens: int, aligned: int) -> None:
-    """The largest bucket ≤ the inner rule's tokens; below the smallest bucket, the tokens unchanged."""
-    assert BucketAlignedBudget(FullBudget(), BUCKETS).tokens([], tokens) == aligned
+@pytest.mark.parametrize(("tokens", "budget", "aligned"),
+                         [(912, 2000, 1024), (1120, 2000, 1024), (1300, 2000, 1536), (1280, 2000, 1536),
+                          (700, 2000, 512), (512, 2000, 512), (100, 2000, 128), (10, 2000, 10),
+                          (2043, 2043, 1536), (1900, 1900, 1536), (912, 1000, 512)])
+def test_bucket_aligned_budget_takes_the_nearest_bucket(tokens: int, budget: int, aligned: int) -> None:
+    """The inner rule's tokens (here: a cap) move to the nearest bucket, ties up, but never above what
+    the decode rows left (`budget`); below the smallest bucket they stay as they are."""
+
+    class Cap:
+        def tokens(self, running: list, budget: int) -> int:
+            return min(tokens, budget)
+
+    assert BucketAlignedBudget(Cap(), BUCKETS).tokens([], budget) == aligned
 
 
 def test_bucket_alignment_only_with_buckets() -> None:
@@ -145,15 +153,15 @@ def test_bucket_alignment_only_with_buckets() -> None:
 
 def test_aligned_steps_carry_whole_buckets() -> None:
     """Cap 12 over chunks of 8 with buckets 4, 8, 16: while three requests decode, two arriving
-    40-token prompts get 8 tokens a step (a whole bucket), not 8 + 4."""
+    40-token prompts get 16 tokens a step (the nearest bucket, ties up: a chunk of each), not 8 + 4."""
     scheduler = make_scheduler(max_prefill_tokens_while_decoding=12, prefill_chunk_size=8, num_blocks=512,
                                max_num_seqs=6, prefill_token_buckets=(4, 8, 16))
     decoding = add_requests(scheduler, 3, prompt_len=12, max_tokens=60, prefix="d")
     while any(r.num_outputs == 0 for r in decoding):
         run_step(scheduler)
     late = add_requests(scheduler, 2, prompt_len=40, max_tokens=4, prefix="p")
-    counts = [prompt_tokens(run_step(scheduler)) for _ in range(10)]
-    assert counts == [8] * 10 and [r.num_prefilled for r in late] == [40, 40]
+    counts = [prompt_tokens(run_step(scheduler)) for _ in range(5)]
+    assert counts == [16] * 5 and [r.num_prefilled for r in late] == [40, 40]
 
 
 def test_option_and_flag() -> None:
