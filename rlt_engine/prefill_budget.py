@@ -22,14 +22,14 @@ A capped step's prompt rows are one PrefillBatch of ≤ cap tokens, inside the p
 largest bucket (max_num_batched_tokens) as every step's are.
 
     bucket-aligned (when the worker replays PREFILL passes from graphs, WorkerReady.prefill_token_buckets):
-             either rule's tokens, moved to the nearest bucket (ties up; never past the decode rows'
-             leftover of max_num_batched_tokens, the largest bucket ≤ it)
+             either rule's tokens, raised to the next bucket within the decode rows' leftover of
+             max_num_batched_tokens (unchanged where none fits)
 
 A graphed batch is padded up to the next bucket (16, 32, …, 512, then multiples of 512), and past 512
 rows a pass's GEMMs grow with its padded rows: a per-row cap of 16 × 70 requests (1,120 tokens) ran
-as a 1,536-row pass. Moved to a bucket, a step of whole 512-token chunks fills it exactly, and a
-prompt keeps whole chunks (the budget no longer cuts one short); on average a step carries what the
-rule gave it.
+as a 1,536-row pass. Raised to its bucket, a step of whole 512-token chunks fills it exactly, and a
+prompt keeps whole chunks (the budget no longer cuts one short). The cap is then exceeded by less than
+one bucket step (512 tokens above 512): it bounds a step's stall, and a padded step stalled as long.
 """
 
 from __future__ import annotations
@@ -67,23 +67,22 @@ class DecodeAwareBudget:
 
 
 class BucketAlignedBudget:
-    """Another budget's tokens moved to the nearest prefill graph bucket (module docstring).
+    """Another budget's tokens raised to the next prefill graph bucket that fits (module docstring).
 
-    Nearest, not below: rounding a per-row cap of 912 down to 512 halved the prompt tokens per step on
-    the H200, so prompts waited twice as long and the decode passes ran half as full. Ties go up. Below
-    the smallest bucket the tokens stay as they are: that bucket is the least any batch costs."""
+    Up, never down: a rule that lowers a step's prompt tokens below the cap's feeds back on itself. At
+    c = 128 on the H200, rounding down (and to the nearest bucket, which is down for 16 × 35 = 560)
+    held trace's decoding requests near 35: a step took half a prompt, a request's 128 tokens took
+    about 80 steps, so about 40 decoded, and 16 × 40 = 640 rounded to 512 again; throughput fell from
+    2,437 to 2,019 and 2,063 tok/s. The cap rule itself grows the decoding set until it saturates.
+    Where no bucket fits in what the decode rows left (`budget`), the tokens stay as they are."""
 
     def __init__(self, inner: PrefillBudget, buckets: tuple[int, ...]) -> None:
         self.inner, self.buckets = inner, tuple(sorted(buckets))
 
     def tokens(self, running: list[Request], budget: int) -> int:
         tokens = self.inner.tokens(running, budget)
-        below = max((b for b in self.buckets if b <= tokens), default=None)
         # Up only within the decode rows' leftover: rows + prompt tokens stay ≤ max_num_batched_tokens.
-        above = min((b for b in self.buckets if tokens <= b <= budget), default=None)
-        if below is None or above is None:
-            return tokens if below is None else below
-        return above if above - tokens <= tokens - below else below
+        return min((b for b in self.buckets if tokens <= b <= budget), default=tokens)
 
 
 def make_prefill_budget(max_prefill_tokens_while_decoding: int, prefill_tokens_per_decoding_row: int,

@@ -127,12 +127,12 @@ BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 1536, 2048)  # token_buckets(2048, 2
 
 
 @pytest.mark.parametrize(("tokens", "budget", "aligned"),
-                         [(912, 2000, 1024), (1120, 2000, 1024), (1300, 2000, 1536), (1280, 2000, 1536),
-                          (700, 2000, 512), (512, 2000, 512), (100, 2000, 128), (10, 2000, 10),
-                          (2043, 2043, 1536), (1900, 1900, 1536), (912, 1000, 512)])
-def test_bucket_aligned_budget_takes_the_nearest_bucket(tokens: int, budget: int, aligned: int) -> None:
-    """The inner rule's tokens (here: a cap) move to the nearest bucket, ties up, but never above what
-    the decode rows left (`budget`); below the smallest bucket they stay as they are."""
+                         [(560, 2000, 1024), (1120, 2000, 1536), (512, 2000, 512), (513, 2000, 1024),
+                          (100, 2000, 128), (10, 2000, 16), (2043, 2043, 2043), (1900, 1900, 1900),
+                          (912, 1000, 912), (912, 1024, 1024)])
+def test_bucket_aligned_budget_rises_to_the_next_bucket_that_fits(tokens: int, budget: int, aligned: int) -> None:
+    """The inner rule's tokens (here: a cap) rise to the next bucket, but never above what the decode
+    rows left (`budget`): where none fits they stay as they are."""
 
     class Cap:
         def tokens(self, running: list, budget: int) -> int:
@@ -153,7 +153,7 @@ def test_bucket_alignment_only_with_buckets() -> None:
 
 def test_aligned_steps_carry_whole_buckets() -> None:
     """Cap 12 over chunks of 8 with buckets 4, 8, 16: while three requests decode, two arriving
-    40-token prompts get 16 tokens a step (the nearest bucket, ties up: a chunk of each), not 8 + 4."""
+    40-token prompts get 16 tokens a step (the next bucket: a chunk of each), not 8 + 4."""
     scheduler = make_scheduler(max_prefill_tokens_while_decoding=12, prefill_chunk_size=8, num_blocks=512,
                                max_num_seqs=6, prefill_token_buckets=(4, 8, 16))
     decoding = add_requests(scheduler, 3, prompt_len=12, max_tokens=60, prefix="d")
@@ -263,7 +263,8 @@ def test_aligned_prefill_pads_less() -> None:
     options = dict(emulate_graphs=True, prefill_chunk_size=16, max_num_seqs=8)
     plain = run_jobs("trace", jobs, 40, **options)
     aligned = run_jobs("trace", jobs, 40, aligned=True, **options)
-    assert plain.graph_stats["prefill_padded_rows"] > 0 == aligned.graph_stats["prefill_padded_rows"]
-    assert over_cap(plain, 32) and not over_cap(aligned, 32)
+    assert plain.graph_stats["prefill_padded_rows"] > aligned.graph_stats["prefill_padded_rows"]
+    assert over_cap(aligned, 40) and not over_cap(aligned, 64)
+    assert all(prompt_tokens(p) % 16 == 0 for p in aligned.plans)
     assert finals(aligned) == finals(plain)
     assert_matches_reference(aligned, "toy-ouro", kv_layout="last_exited", exit_mode="trace")
