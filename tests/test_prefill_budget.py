@@ -268,3 +268,33 @@ def test_aligned_prefill_pads_less() -> None:
     assert all(prompt_tokens(p) % 16 == 0 for p in aligned.plans)
     assert finals(aligned) == finals(plain)
     assert_matches_reference(aligned, "toy-ouro", kv_layout="last_exited", exit_mode="trace")
+
+
+@pytest.mark.parametrize(("concurrency", "same"), [(32, True), (128, False)])
+def test_alignment_moves_only_steps_the_cap_would_pad(concurrency: int, same: bool) -> None:
+    """The benchmark's closed loop at scheduler level (2·c requests of 1,024-token prompts, chunks of
+    512, cap 512 and 16 per decoding row, the worker's buckets up to 2,048): at c = 32 the cap is 512, a
+    bucket, and alignment changes no step; at c = 128 it changes steps and pads fewer rows, never the
+    prompt tokens in all."""
+    from rlt_worker.prefill_graphs import token_buckets
+
+    def prompt_steps(buckets: tuple[int, ...]) -> list[int]:
+        scheduler = make_scheduler(max_prefill_tokens_while_decoding=512, prefill_tokens_per_decoding_row=16,
+                                   prefill_chunk_size=512, num_blocks=40_000, block_size=16,
+                                   max_num_seqs=concurrency, max_num_batched_tokens=2048,
+                                   prefill_token_buckets=buckets)
+        add_requests(scheduler, 2 * concurrency, prompt_len=1024, max_tokens=32)
+        steps = []
+        while (plan := run_step(scheduler)) is not None:
+            steps.append(prompt_tokens(plan))
+        return steps
+
+    buckets = token_buckets(2048, 4096)
+
+    def padding(steps: list[int]) -> int:
+        return sum(min(b for b in buckets if b >= tokens) - tokens for tokens in steps if tokens)
+
+    plain, aligned = prompt_steps(()), prompt_steps(buckets)
+    assert sum(plain) == sum(aligned) == 2 * concurrency * 1024
+    assert (plain == aligned) == same
+    assert padding(aligned) < padding(plain) or same
