@@ -33,6 +33,8 @@ class EngineConfig:
     model: str = _opt(DEFAULT_MODEL, "tiny-ouro-py (shipped, trained), toy-ouro, toy-huginn, synthetic-ouro-1.4b, "
                       "synthetic-ouro-2.6b, synthetic-huginn-3.5b, or a Hugging Face checkpoint directory")
     workers: int = _opt(1, "worker processes, one per device (0: run the model in the engine process)")
+    cpu_threads: int = _opt(0, "torch threads of each CPU worker process (0: this host's cores split among "
+                               "its workers; 1 where other busy processes share the cores)")
     device: str | None = _opt(None, "cuda or cpu (default: cuda when a GPU is visible)")
     dtype: str | None = _opt(None, "float32, bfloat16, float16 or float64 (default: bfloat16 on cuda, float32 on cpu)")
     max_loops: int | None = _opt(None, "loops D of the shared block per token (default: the model's)")
@@ -126,6 +128,7 @@ class EngineConfig:
         _positive("workers", self.workers, minimum=0)
         _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)
+        _positive("cpu_threads", self.cpu_threads, minimum=0)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("prefill_chunk_size", self.prefill_chunk_size)
         _positive("max_prefill_tokens_while_decoding", self.max_prefill_tokens_while_decoding, minimum=0)

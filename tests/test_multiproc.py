@@ -156,6 +156,18 @@ def _bad_frames(count: int) -> list[bytes]:
 
 
 @pytest.mark.timeout(90)
+def test_cpu_threads_per_worker() -> None:
+    """cpu_threads (--cpu-threads) sets each local CPU worker's torch threads; 0, the default, splits
+    this process's cores among its local workers (at least 1 each). Nothing is spawned to tell."""
+    cores = len(os.sched_getaffinity(0))
+    for workers, threads, want in [(2, 0, max(1, cores // 2)), (1, 0, cores), (2, 3, 3)]:
+        executor = MultiprocExecutor(EngineConfig(model="toy-ouro", workers=workers, device="cpu",
+                                                  cpu_threads=threads))
+        assert [c.num_threads for c in executor._configs] == [want] * workers
+    with pytest.raises(ValueError, match="cpu_threads"):
+        EngineConfig(cpu_threads=-1)
+
+
 def test_malformed_frames_are_dropped_and_the_worker_keeps_serving() -> None:
     frames = _bad_frames(100)
     with LLM("toy-ouro", workers=1, **MODEL_OPTIONS) as llm:

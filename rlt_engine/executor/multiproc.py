@@ -114,7 +114,8 @@ class MultiprocExecutor(Executor):
         threads = 0  # torch's default
         if device == "cpu" and is_local:
             # CPU workers split the cores so that N workers do not oversubscribe them N-fold.
-            threads = self._num_threads or max(1, len(os.sched_getaffinity(0)) // max(1, self._num_local))
+            threads = (self._num_threads or self.config.cpu_threads
+                       or max(1, len(os.sched_getaffinity(0)) // max(1, self._num_local)))
         return msgspec.structs.replace(self.config.worker_config(device), num_threads=threads)
 
     def _hello(self, index: int) -> WorkerHello:
