@@ -53,6 +53,7 @@ VOCAB = 256  # prompts use the byte range of the toy vocabulary
 
 ENGINE_DEFAULTS: dict[str, object] = dict(
     workers=0,
+    cpu_threads=1,  # worker processes: the suite's two test processes share two cores
     device="cpu",
     dtype="float64",
     state_init="random",

@@ -64,8 +64,11 @@ class ServerProcess:
     def start(self, timeout: float = 180.0) -> ServerProcess:
         """Start the server and wait for its ready line (raises with the log tail if it never comes)."""
         model = [] if "--model" in self.args else ["--model", "toy-ouro"]
+        # One torch thread per worker: the suite runs two test processes on two cores, and a worker's
+        # second thread then waits at every op for a core (one busy neighbour made a test 12× slower).
+        threads = [] if "--cpu-threads" in self.args else ["--cpu-threads", "1"]
         cmd = [sys.executable, "-m", "rlt_engine.cli", "serve", "--ipc", self.ipc, "--device", "cpu",
-               "--dtype", "float64", *model, *self.args]
+               "--dtype", "float64", *model, *threads, *self.args]
         self._log = open(self.log_path, "wb")
         # Its own process group, as a shell job would be: a test can signal the group like Ctrl-C does.
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL, text=True,
