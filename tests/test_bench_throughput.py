@@ -384,3 +384,24 @@ def test_profile_steps_script(tmp_path) -> None:
     for r in reports:
         assert r["ttft_ms"] > 0 and r["steps"] >= 1 and r["host_top"]
         assert r["burst"]["ttft_p50_ms"] > 0 and sum(new for _, new, _ in r["burst"]["steps"]) == 4
+
+
+def test_recorded_commit_says_when_the_tree_is_not_head(tmp_path: Path) -> None:
+    """The bench's commit is HEAD's short hash, with -dirty once a tracked file differs from HEAD (as on
+    a device copy whose git HEAD is older than its files); untracked files do not count; no repo: None."""
+    from rlt_engine.bench.throughput import _git_commit
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                              check=True, capture_output=True, text=True).stdout.strip()
+
+    assert _git_commit(str(tmp_path)) is None
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-qm", "a")
+    head = git("rev-parse", "--short", "HEAD")
+    (tmp_path / "notes.txt").write_text("untracked\n")
+    assert _git_commit(str(tmp_path)) == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert _git_commit(str(tmp_path)) == f"{head}-dirty"

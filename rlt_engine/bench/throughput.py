@@ -799,14 +799,20 @@ def environment(device: str) -> dict[str, Any]:
     return env
 
 
-def _git_commit() -> str | None:
+def _git_commit(cwd: str | None = None) -> str | None:
+    """HEAD's short hash, with "-dirty" when tracked files differ from it: a copy of a work tree (the
+    device machine's) can carry an older HEAD than the code it runs."""
     import subprocess
 
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=5, cwd=cwd)
+
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
+        head = git("rev-parse", "--short", "HEAD").stdout.strip()
+        dirty = head and git("diff", "--quiet", "HEAD").returncode == 1
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    return (f"{head}-dirty" if dirty else head) or None
 
 
 # ---------------------------------------------------------------------------- output
