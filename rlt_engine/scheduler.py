@@ -79,7 +79,7 @@ class SchedulerConfig:
     mixed_batches: bool = False  # prompt chunks ride the loop passes of the step's decode rows
     max_prefill_tokens_while_decoding: int = 0  # prompt tokens per step while a request decodes (0: no cap)
     prefill_tokens_per_decoding_row: int = 0  # the cap grows to this × decoding requests (0: a fixed cap)
-    # The worker's PREFILL graph buckets (WorkerReady): a step's prompt tokens are rounded down to one.
+    # The worker's PREFILL graph buckets (WorkerReady): a step's prompt tokens are raised to one (prefill_budget.py).
     prefill_token_buckets: tuple[int, ...] = ()
 
 
