@@ -40,7 +40,8 @@ from rlt_engine.executor.processes import remove_stale_dirs
 log = logging.getLogger("test_multiproc")
 
 PROMPTS = [[72, 101, 108, 108, 111], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [200, 17], [9] * 11]
-MODEL_OPTIONS = {"device": "cpu", "dtype": "float64", "exit_mode": "ouro"}
+# One torch thread a worker (tests/factories.py says why).
+MODEL_OPTIONS = {"device": "cpu", "dtype": "float64", "exit_mode": "ouro", "cpu_threads": 1}
 
 
 def _params(max_tokens: int = 8) -> list[SamplingParams]:

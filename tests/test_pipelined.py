@@ -215,7 +215,7 @@ def test_lost_worker_replays_exactly_under_pipelining(lose_at: int) -> None:
 # ------------------------------------------------------------------------ the worker process
 
 
-MP_OPTIONS = dict(device="cpu", dtype="float64", exit_mode="ouro", loops_per_plan=3)
+MP_OPTIONS = dict(device="cpu", dtype="float64", exit_mode="ouro", loops_per_plan=3, cpu_threads=1)
 
 
 def _mp_params(n: int) -> list[SamplingParams]:
