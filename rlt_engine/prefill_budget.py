@@ -26,7 +26,7 @@ largest bucket (max_num_batched_tokens) as every step's are.
              max_num_batched_tokens (unchanged where none fits)
 
 A graphed batch is padded up to the next bucket (16, 32, …, 512, then multiples of 512), and past 512
-rows a pass's GEMMs grow with its padded rows: a per-row cap of 16 × 70 requests (1,120 tokens) ran
+rows a pass's GEMMs grow with its padded rows: a per-row cap of 16 × 70 requests (1,120 tokens) runs
 as a 1,536-row pass. Raised to its bucket, a step of whole 512-token chunks fills it exactly, and the
 budget cuts a prompt's chunk short less often. The cap is then exceeded by less than one bucket step
 (512 tokens above 512): it bounds a step's stall, and a padded step stalled as long.

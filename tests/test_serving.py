@@ -192,7 +192,7 @@ def test_bad_frames_get_errors_and_others_are_served(shared_server, client, offl
     assert shared_server.proc.poll() is None
 
 
-@pytest.mark.timeout(300)  # the offline reference of 6 × 120 tokens ran past 120 s on a loaded 2-core VM
+@pytest.mark.timeout(300)  # 125.7 s in one loaded fresh-clone run (6.5 s alone): a hang guard, not a bound
 def test_overload_is_refused_at_once(client, offline):
     # 120 tokens each (seconds of work): the six must still be live when the refusals are asked
     # for one after the other, even on a fast runner (with 6 tokens CI once saw them finish first).
