@@ -8,9 +8,8 @@ the flags is decided by masks on the device instead. One pass, captured as one C
 (rows bucket, width bucket, test):
 
     the rows' columns → the pass graphs' static inputs (a row that stopped: the dummy slot)
-    → only if some row runs (a conditional node, rlt_worker/graph_condition.py): the loop pass → the
-      exit test → exits = flags ∧ running
-    → only if some row exited (another), the boundary work:
+    → the loop pass → the exit test → exits = flags ∧ running
+    → only if some row exited (a conditional node, rlt_worker/graph_condition.py), the boundary work:
       FINALIZE of every row (exit depth D where the row did not exit: a no-op)
     → CODA and greedy sampling of every row (the rows that did not exit drop theirs)
     → each exit's output recorded at (row, its count) → a row ends at its last output or a stop
@@ -19,9 +18,8 @@ the flags is decided by masks on the device instead. One pass, captured as one C
       stops there (RECURRENT at depth 0, as the host loop's coverage rule)
     → "any row running" into a static flag
 
-Where no row runs (the passes queued after the plan's rows stopped), every write of the loop pass
-lands on the dummy slot; where no row exited, every write of the boundary work lands there or on the
-spare output column: skipping them changes nothing a real row reads.
+Where no row exited, every write of the boundary work lands on the dummy slot or the spare output
+column, so skipping it changes nothing a real row reads.
 
     host, per pass   one replay, and a copy of the flag to pinned memory; before pass p it waits
                      for pass p − LEAD's flag (LEAD passes stay queued) and stops when none runs
@@ -85,7 +83,6 @@ class RefillBuffers:
         self.outputs = torch.zeros(2, rows, MAX_PASSES + 1, dtype=torch.long, device=device)  # tokens, depths
         self.logprobs = torch.zeros(rows, MAX_PASSES + 1, dtype=torch.float64, device=device)
         self.alive = torch.zeros((), dtype=torch.bool, device=device)
-        self.exits = torch.zeros(rows, dtype=torch.bool, device=device)  # the last pass's exits (running rows)
         self.row_index = torch.arange(rows, device=device)
         # Greedy: the sampler reads only whether each row is greedy (all are) and draws nothing.
         self.params = SamplingTensors(temperature=torch.zeros(rows, dtype=torch.float64, device=device),
@@ -141,19 +138,12 @@ class RefillGraphs:
         index = passes.static_rows(rows)  # the loop pass's static inputs, read by the test too
         index.copy_(torch.stack([torch.where(running, slots, dummy), torch.where(running, positions, 0),
                                  torch.where(running, depths, 1)]))
-        b.exits.zero_()
-        # A pass with no row running, or with no row exiting, would write only the dummy slot and the
-        # spare output column: the replay skips it (rlt_worker/graph_condition.py).
-        passes.condition.run_if(running.any(), functools.partial(self._loop, rows, width, test, running))
-        passes.condition.run_if(b.exits.any(), functools.partial(self._boundary, b, index[0], running, b.exits))
-        b.alive.copy_(c[RUNNING].any())
-
-    def _loop(self, rows: int, width: int, test: Any, running: torch.Tensor) -> None:
-        """The loop pass of the bucket's static rows and its exit test: who exits, into the bucket's exits."""
-        passes, index = self.passes, self.passes.static_rows(rows)
         passes._pass(rows, width)
-        self.buffers[rows].exits.copy_(test.apply(self.runner, index[0], index[1], index[2], passes.max_width, None)
-                                       & running)
+        exits = test.apply(runner, index[0], index[1], index[2], passes.max_width, None) & running
+        # Where no row exited, every write of the boundary work goes to the dummy slot or the spare
+        # output column: the replay skips it (rlt_worker/graph_condition.py).
+        passes.condition.run_if(exits.any(), functools.partial(self._boundary, b, index[0], running, exits))
+        b.alive.copy_(c[RUNNING].any())
 
     def _boundary(self, b: RefillBuffers, pass_slots: torch.Tensor, running: torch.Tensor,
                   exits: torch.Tensor) -> None:
