@@ -48,6 +48,10 @@ extern "C" __global__ void set_condition(const unsigned long long* handle, const
 }
 """
 
+# Route the current thread's (older torch: the current stream's) allocations to a pool.
+_ROUTE_TO_POOL = getattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", None) or getattr(
+    torch._C, "_cuda_beginAllocateCurrentStreamToPool", None)
+
 # driver_types.h
 _CAPTURE_ACTIVE = 1  # cudaStreamCaptureStatusActive
 _CAPTURE_THREAD_LOCAL = 1  # cudaStreamCaptureModeThreadLocal
@@ -168,19 +172,20 @@ class ConditionalNode:
         self._capture_body(body, work)
 
     def _capture_body(self, body: ctypes.c_void_p, work: Callable[[], None]) -> None:
-        # torch's allocator routes the capture's allocations to the pool by the stream's capture id,
-        # which the body's capture does not share, and allows one routing per pool: replace it by this
-        # thread's, which serves the body and the rest of the capture (torch's capture end drops it).
-        # The routing takes a use of the pool; the capture already holds one, so it is returned now.
-        index = self.device.index
-        torch._C._cuda_endAllocateToPool(index, self.pool)
-        torch._C._cuda_beginAllocateCurrentThreadToPool(index, self.pool)
-        torch._C._cuda_releasePool(index, self.pool)
-        side = self._body_stream.cuda_stream
+        # The body's capture is not the one torch's allocator routes to the pool: route this thread's
+        # allocations there too. endAllocateToPool then drops the pool's first routing (the capture's
+        # own), and this thread's keeps the rest of the capture in the pool until torch ends it;
+        # releasePool returns the use the routing took, so the pool is freed with its graphs.
+        side, index = self._body_stream.cuda_stream, self.device.index
         self._api.begin_capture_to(side, body)
         try:
             with torch.cuda.stream(self._body_stream):
-                work()
+                _ROUTE_TO_POOL(index, self.pool)
+                try:
+                    work()
+                finally:
+                    torch._C._cuda_endAllocateToPool(index, self.pool)
+                    torch._C._cuda_releasePool(index, self.pool)
         finally:
             self._api.end_capture(side)
 
