@@ -170,20 +170,19 @@ class LoopPassGraphs:
             index[2].fill_(1)
         runner.block_tables[dummy_slot] = scratch_block
         self._graphs: dict[tuple[int, int], Any] = {}
-        self._pool: Any = None if emulate else torch.cuda.graph_pool_handle()  # every capture's memory
+        self._pool: Any = None
         self._stream: torch.cuda.Stream | None = None
         self.stats = GraphStats()
+        self.condition = make_graph_condition(emulate)  # work a replay runs only when a device flag holds
         # A coda without attention (Ouro) is graphed too; Huginn's reads its coda K/V and stays eager.
         self.coda = CodaGraphs(self) if runner.model.info.num_outer_kv_layers == 0 else None
-        # Work a replay runs only when a device flag holds (device refill's boundary work).
-        self.condition = make_graph_condition(emulate, device, self._pool) if self.coda is not None else None
         # PREFILL chunk passes of up to prefill_tokens rows (0: prefill runs eagerly).
         self.prefill = PrefillGraphs(self, prefill_tokens) if prefill_tokens else None
         # DecodeBatch exit tests after a replayed pass; `exit_tests` are captured at start-up.
         self.exits = ExitTestGraphs(self, exit_tests)
         # DecodeBatches with exits and refill on the device (Ouro's coda: no attention), captured at first use.
         self.refill = RefillGraphs(self) if self.coda is not None else None
-        self.stats.refill_boundary = self.condition.name if self.condition is not None else ""
+        self.stats.refill_boundary = self.condition.name if self.refill is not None else ""
 
     def widths(self) -> tuple[int, ...]:
         """Every width bucket: MIN_WIDTH, 2·MIN_WIDTH, … below max_width, then max_width."""
@@ -326,6 +325,7 @@ class LoopPassGraphs:
         warm_up()  # warm-up rows read and write only what no real row owns
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.runner.device)
+            self._pool = torch.cuda.graph_pool_handle()
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
             for _ in range(2):

@@ -106,14 +106,13 @@ def test_device_refill_resumes_a_lone_row(mode: str, compiled: None) -> None:
 
 @pytest.mark.parametrize("flag", [True, False])
 def test_a_conditional_node_runs_its_work_only_when_its_flag_holds(flag: bool) -> None:
-    """ConditionalNode (rlt_worker/graph_condition.py): work captured with run_if (a cuBLAS GEMM, whose
-    output and workspace come from the pool inside the body) runs at a replay exactly when the device
-    flag, computed earlier in the same graph, is true; what comes after the node runs either way;
-    outside a capture the work always runs."""
-    pool = torch.cuda.graph_pool_handle()
-    condition = ConditionalNode(torch.device("cuda"), pool)
-    condition.probe()
-    source, weight = torch.randn(64, 64, device="cuda"), torch.randn(64, 64, device="cuda")
+    """ConditionalNode (rlt_worker/graph_condition.py): work captured with run_if (a cuBLAS GEMM and
+    elementwise ops) runs at a replay exactly when the device flag, written earlier in the same graph,
+    is true; what comes after the node runs either way; outside a capture the work always runs."""
+    condition = ConditionalNode()
+    assert condition.available()
+    source = torch.randn(64, 64, device="cuda")
+    weight = torch.randn(64, 64, device="cuda")
     switch, after = torch.zeros((), device="cuda"), torch.zeros((), device="cuda")
     target = torch.zeros(64, 64, device="cuda")
 
@@ -121,13 +120,14 @@ def test_a_conditional_node_runs_its_work_only_when_its_flag_holds(flag: bool) -
         condition.run_if(switch > 0, lambda: target.copy_(source @ weight + 1))
         after.add_(1)
 
-    step()  # eager: the work runs although the flag is false
+    step()  # eager warm-up: the work runs although the flag is false
     torch.testing.assert_close(target, source @ weight + 1)
     target.zero_()
     after.zero_()
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+    with torch.cuda.graph(graph, stream=stream):
         step()
     switch.fill_(1.0 if flag else 0.0)
     graph.replay()
