@@ -60,7 +60,6 @@ from protocol.messages import ExitTest
 from rlt_worker.coda_graphs import CodaGraphs
 from rlt_worker.device_refill import RefillGraphs
 from rlt_worker.exit_graphs import ExitTestGraphs
-from rlt_worker.graph_condition import make_graph_condition
 from rlt_worker.prefill_graphs import PrefillGraphs, next_pow2
 
 if TYPE_CHECKING:
@@ -89,7 +88,6 @@ class GraphStats:
     device_refill_plans: int = 0  # DecodeBatches whose passes ran with no readback (rlt_worker/device_refill.py)
     device_refill_resumed: int = 0  # of those, resumed where the last one left its rows (no readback between)
     refill_error: str | None = None  # a device-refill pass capture failed: those batches take the host loop
-    refill_boundary: str = ""  # how a device-refill pass with no exit skips its boundary work (graph_condition.py)
     coda_eager: int = 0  # CODA batches that could not (forced tokens, replay rows, too many rows)
     coda_error: str | None = None  # a CODA capture failed: CODA runs eagerly (the passes keep their graphs)
     exit_replays: int = 0  # DecodeBatch exit tests run from a graph (rlt_worker/exit_graphs.py)
@@ -119,7 +117,6 @@ class GraphStats:
             "coda_replays": self.coda_replays, "coda_eager": self.coda_eager, "coda_error": self.coda_error,
             "device_refill_plans": self.device_refill_plans,
             "device_refill_resumed": self.device_refill_resumed, "refill_error": self.refill_error,
-            "refill_boundary": self.refill_boundary,
             "exit_replays": self.exit_replays, "exit_eager": self.exit_eager, "exit_error": self.exit_error,
             "buckets": dict(self.buckets), "error": self.error,
             "prefill_replays": self.prefill_replays, "prefill_eager": self.prefill_eager,
@@ -173,7 +170,6 @@ class LoopPassGraphs:
         self._pool: Any = None
         self._stream: torch.cuda.Stream | None = None
         self.stats = GraphStats()
-        self.condition = make_graph_condition(emulate)  # work a replay runs only when a device flag holds
         # A coda without attention (Ouro) is graphed too; Huginn's reads its coda K/V and stays eager.
         self.coda = CodaGraphs(self) if runner.model.info.num_outer_kv_layers == 0 else None
         # PREFILL chunk passes of up to prefill_tokens rows (0: prefill runs eagerly).
@@ -182,7 +178,6 @@ class LoopPassGraphs:
         self.exits = ExitTestGraphs(self, exit_tests)
         # DecodeBatches with exits and refill on the device (Ouro's coda: no attention), captured at first use.
         self.refill = RefillGraphs(self) if self.coda is not None else None
-        self.stats.refill_boundary = self.condition.name if self.refill is not None else ""
 
     def widths(self) -> tuple[int, ...]:
         """Every width bucket: MIN_WIDTH, 2·MIN_WIDTH, … below max_width, then max_width."""

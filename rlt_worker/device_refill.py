@@ -9,17 +9,13 @@ the flags is decided by masks on the device instead. One pass, captured as one C
 
     the rows' columns → the pass graphs' static inputs (a row that stopped: the dummy slot)
     → the loop pass → the exit test → exits = flags ∧ running
-    → only if some row exited (a conditional node, rlt_worker/graph_condition.py), the boundary work:
-      FINALIZE of every row (exit depth D where the row did not exit: a no-op)
+    → FINALIZE of every row (exit depth D where the row did not exit: a no-op)
     → CODA and greedy sampling of every row (the rows that did not exit drop theirs)
     → each exit's output recorded at (row, its count) → a row ends at its last output or a stop
       token (the slot's stop mask) → the others: PRELUDE of the token at position + 1 (into the
       dummy slot where the row did not exit) → a row whose new position's next one has no block
       stops there (RECURRENT at depth 0, as the host loop's coverage rule)
     → "any row running" into a static flag
-
-Where no row exited, every write of the boundary work lands on the dummy slot or the spare output
-column, so skipping it changes nothing a real row reads.
 
     host, per pass   one replay, and a copy of the flag to pinned memory; before pass p it waits
                      for pass p − LEAD's flag (LEAD passes stay queued) and stops when none runs
@@ -33,9 +29,8 @@ column, so skipping it changes nothing a real row reads.
 Every operation is the host path's on the same rows (the same pass, exit test, finalize kernel,
 coda, head and sampler), so tokens and exit depths are the host loop's; only the head GEMM's row
 count (the bucket's, not the exits') differs, which batch invariance does not cover on CUDA. The
-price is CODA for every row at every pass where some row exits, instead of once per token: the
-head's weight is read per such pass (0.12 ms for greedy at 1 row on the H200). Without conditional
-nodes (a torch or CUDA build that lacks them) the boundary work runs at every pass.
+price is CODA for every row at every pass instead of once per token: the head's weight is read per
+pass (0.12 ms for greedy at 1 row on the H200).
 
 The buffers live per rows bucket for the worker's life (the graphs read them at fixed addresses);
 graphs are captured at a bucket's first use (`lazy_captures`). When it runs (`DeviceRefill.plan`,
@@ -132,7 +127,7 @@ class RefillGraphs:
         """The captured function: one pass of the bucket's rows with its boundary work (module docstring)."""
         runner, passes, b = self.runner, self.passes, self.buffers[rows]
         c, dummy = b.columns, runner.dummy_slot
-        slots, positions, depths = c[SLOTS], c[POSITIONS], c[DEPTHS]
+        slots, positions, depths, indices = c[SLOTS], c[POSITIONS], c[DEPTHS], c[INDICES]
         running = c[RUNNING] > 0
         depths += running
         index = passes.static_rows(rows)  # the loop pass's static inputs, read by the test too
@@ -140,18 +135,8 @@ class RefillGraphs:
                                  torch.where(running, depths, 1)]))
         passes._pass(rows, width)
         exits = test.apply(runner, index[0], index[1], index[2], passes.max_width, None) & running
-        # Where no row exited, every write of the boundary work goes to the dummy slot or the spare
-        # output column: the replay skips it (rlt_worker/graph_condition.py).
-        passes.condition.run_if(exits.any(), functools.partial(self._boundary, b, index[0], running, exits))
-        b.alive.copy_(c[RUNNING].any())
-
-    def _boundary(self, b: RefillBuffers, pass_slots: torch.Tensor, running: torch.Tensor,
-                  exits: torch.Tensor) -> None:
-        """The exited rows' FINALIZE, CODA, output, end and PRELUDE; the others' writes go to the dummy."""
-        runner, c, dummy = self.runner, b.columns, self.runner.dummy_slot
-        slots, positions, depths, indices = c[SLOTS], c[POSITIONS], c[DEPTHS], c[INDICES]
         runner.finalize_on_device(slots, positions, torch.where(exits, depths, runner.config.max_depth))
-        tokens, logprobs = runner.sample_on_device(pass_slots, b.params, True)
+        tokens, logprobs = runner.sample_on_device(index[0], b.params, True)
         at = torch.where(exits, c[COUNT], MAX_PASSES)  # the rows that did not exit write the spare column
         b.outputs[0, b.row_index, at] = tokens
         b.outputs[1, b.row_index, at] = depths
@@ -169,6 +154,7 @@ class RefillGraphs:
         completable = (positions + 1 < c[COVERED]) | (indices == c[LAST])
         c[FINISHED] |= ends
         c[RUNNING] = running & ~ends & ~(going & ~completable)
+        b.alive.copy_(c[RUNNING].any())
 
 
 @dataclass

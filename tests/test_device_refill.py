@@ -15,7 +15,6 @@ from protocol.messages import ExitTest
 from rlt_engine import SamplingParams
 from rlt_engine.config import EngineConfig
 from rlt_engine.executor.inproc import InprocExecutor
-from rlt_worker.device_refill import COUNT, DeviceRefill, RefillGraphs
 from rlt_worker.step_results import PendingResult, ResultBuilder
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -101,36 +100,6 @@ def test_pipelined_plans_continue_device_refill_rows(n: int, max_tokens: int, la
     assert_matches_reference(pipelined, "toy-ouro", kv_layout="last_exited", exit_mode="ouro")
     assert pipelined.graph_stats["device_refill_resumed"] > 0
     assert synchronous.graph_stats["device_refill_resumed"] == 0
-
-
-def test_a_pass_with_no_exit_skips_the_boundary_work(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A lone row: the boundary work (FINALIZE, CODA, head, PRELUDE) runs in exactly the passes where
-    it exits, one per output the device plans produce, and not in the others; the outputs are still
-    the host loop's and the reference's (the emulated graphs read the condition on the host)."""
-    counts = {"passes": 0, "boundaries": 0, "outputs": 0}
-
-    def counting(name: str, method):  # noqa: ANN001, ANN202 (wraps a method of any signature)
-        def wrapped(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            counts[name] += 1
-            return method(*args, **kwargs)
-        return wrapped
-
-    def land(self: DeviceRefill, rows, values, results):  # noqa: ANN001, ANN202
-        counts["outputs"] += int(values[0][COUNT].sum())
-        return real_land(self, rows, values, results)
-
-    real_land = DeviceRefill.land
-    monkeypatch.setattr(RefillGraphs, "_pass", counting("passes", RefillGraphs._pass))
-    monkeypatch.setattr(RefillGraphs, "_boundary", counting("boundaries", RefillGraphs._boundary))
-    monkeypatch.setattr(DeviceRefill, "land", land)
-    jobs = _jobs("ouro", n=1, max_tokens=24)
-    on_device = _run("ouro", "last_exited", True, jobs)
-    host = _run("ouro", "last_exited", False, jobs)
-    assert _finals(on_device) == _finals(host)
-    assert_matches_reference(on_device, "toy-ouro", kv_layout="last_exited", exit_mode="ouro")
-    assert counts["boundaries"] == counts["outputs"] > 0
-    assert counts["passes"] > counts["boundaries"], f"every pass exited, nothing was skipped: {counts}"
-    assert on_device.graph_stats["refill_boundary"] == "host condition"
 
 
 def test_a_stop_token_ends_its_row_at_once() -> None:

@@ -19,7 +19,6 @@ import torch
 
 from protocol.messages import ExitTest, SamplingParams
 from rlt_engine import LLM
-from rlt_worker.graph_condition import ConditionalNode
 from tests.test_exit_graphs import check_graphed_test_equals_eager
 
 pytestmark = [
@@ -87,7 +86,6 @@ def test_device_refill_equals_the_host_loop(mode: str, compiled: None) -> None:
     print(f"{mode}: device refill {stats}\n{mode}: host loop {host_stats}")
     assert on_device == host
     assert stats["device_refill_plans"] > 0 and stats["refill_error"] is None
-    assert stats["refill_boundary"] == "conditional node"
     assert host_stats["device_refill_plans"] == 0
 
 
@@ -101,39 +99,3 @@ def test_device_refill_resumes_a_lone_row(mode: str, compiled: None) -> None:
     print(f"{mode}: lone row, device refill {stats}")
     assert on_device == host
     assert stats["device_refill_resumed"] > 0 and stats["refill_error"] is None
-    assert stats["refill_boundary"] == "conditional node"
-
-
-@pytest.mark.parametrize("flag", [True, False])
-def test_a_conditional_node_runs_its_work_only_when_its_flag_holds(flag: bool) -> None:
-    """ConditionalNode (rlt_worker/graph_condition.py): work captured with run_if (a cuBLAS GEMM and
-    elementwise ops) runs at a replay exactly when the device flag, written earlier in the same graph,
-    is true; what comes after the node runs either way; outside a capture the work always runs."""
-    condition = ConditionalNode()
-    assert condition.available()
-    source = torch.randn(64, 64, device="cuda")
-    weight = torch.randn(64, 64, device="cuda")
-    switch, after = torch.zeros((), device="cuda"), torch.zeros((), device="cuda")
-    target = torch.zeros(64, 64, device="cuda")
-
-    def step() -> None:
-        condition.run_if(switch > 0, lambda: target.copy_(source @ weight + 1))
-        after.add_(1)
-
-    step()  # eager warm-up: the work runs although the flag is false
-    torch.testing.assert_close(target, source @ weight + 1)
-    target.zero_()
-    after.zero_()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.graph(graph, stream=stream):
-        step()
-    switch.fill_(1.0 if flag else 0.0)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert float(after) == 1.0
-    if flag:
-        torch.testing.assert_close(target, source @ weight + 1)
-    else:
-        assert not target.any()
