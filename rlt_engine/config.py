@@ -99,6 +99,11 @@ class EngineConfig:
                                   "of its loops; the worker's decode loop (exits decided there, or fixed/trace "
                                   "depths when > 1) samples up to this many + 1 tokens per row "
                                   "(0 = auto: 4·D on cuda, 1 on cpu)")
+    loops_while_prompt_pending: int = _opt(0, "most loop passes one plan runs while a prompt or a first token "
+                                              "is pending (a request waits to be placed, has prompt chunks "
+                                              "left, or has no output yet): fewer bring the next chunk and the "
+                                              "first token sooner, more spread a step's prompt tokens over more "
+                                              "decode tokens (0 = D; at most loops_per_plan)")
     mixed_batches: bool = _opt(False, "prompt chunks ride the loop passes of running decode rows (a chunk's D "
                                       "loops in the plan's first D passes, one pass over both within "
                                       "max_num_batched_tokens), so a new prompt does not stall decodes")
@@ -137,6 +142,7 @@ class EngineConfig:
             raise ValueError(f"max_plans_in_flight must be 0 (auto), 1 (synchronous) or 2 (pipelined), "
                              f"got {self.max_plans_in_flight!r}")
         _positive("loops_per_plan", self.loops_per_plan, minimum=0)
+        _positive("loops_while_prompt_pending", self.loops_while_prompt_pending, minimum=0)
         if self.num_blocks is not None:
             _positive("num_blocks", self.num_blocks)
         if self.max_loops is not None:

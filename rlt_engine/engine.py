@@ -61,6 +61,7 @@ class LLMEngine:
             max_bypasses=config.max_bypasses,
             preemption=config.preemption,
             loops_per_plan=config.loops_per_plan or AUTO_PLAN_DEPTHS * self.max_depth,
+            loops_while_prompt_pending=config.loops_while_prompt_pending,
             enable_prefix_caching=config.enable_prefix_caching,
             prefix_cache_salt=f"{config.model}|{config.dtype}|{config.kv_layout}|D={self.max_depth}|"
                               f"{config.state_init}",

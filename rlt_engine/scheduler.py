@@ -70,8 +70,10 @@ class SchedulerConfig:
     # runs up to this many loops of its position; a DecodeBatch (the worker decides exits, or follows
     # the planned ones of fixed and trace when this is > 1) this many
     # passes, across as many tokens as its rows exit (≤ loops_per_plan + 1 tokens per row), and at
-    # most D of them while a prompt or a first token is pending (Scheduler._decode_settings).
+    # most loops_while_prompt_pending of them while a prompt or a first token is pending
+    # (Scheduler._decode_settings).
     loops_per_plan: int = 1
+    loops_while_prompt_pending: int = 0  # 0: D
     enable_prefix_caching: bool = False  # full prompt blocks shared through each worker's cache index
     prefix_cache_salt: str = ""  # what a prompt's K/V depends on besides its tokens: model, dtype, layout, D
     prompt_kv_seeded: bool = False  # Huginn's random state init: the prompt's K/V depends on its seed too
@@ -119,7 +121,9 @@ class Scheduler(SchedulerFaults):
             exit_test, max_passes=config.loops_per_plan, refill=config.refill)
         # While a prompt or a first token is pending, a plan's passes are bounded (see _decode_settings).
         self._prompt_decode = None if self._decode is None else DecodeSettings(
-            self._decode.exit_test, max_passes=min(config.loops_per_plan, config.max_depth), refill=config.refill)
+            self._decode.exit_test, max_passes=min(config.loops_per_plan,
+                                                   config.loops_while_prompt_pending or config.max_depth),
+            refill=config.refill)
         self.books = [WorkerBook(w, kv, config.max_num_seqs) for w, kv in enumerate(kv_managers)]
         self.placement = Placement(self.books, self.preemption, priority=config.priority,
                                    max_bypasses=config.max_bypasses, max_num_seqs=config.max_num_seqs,
@@ -256,13 +260,14 @@ class Scheduler(SchedulerFaults):
         return plan
 
     def _decode_settings(self, book: WorkerBook) -> DecodeSettings | None:
-        """The DecodeBatch settings of the worker's next plan: at most min(loops_per_plan, D) passes
-        while a prompt is pending (a request waits to be placed, or one on the worker has prompt chunks
-        left) or a first token is (one on the worker has no output yet: its prompt's last position is
-        in this plan or in one in flight), else loops_per_plan. A prompt's first token, and a waiting
-        request's placement, come with the result of a plan in flight, and a plan in flight is read
-        after the next one is submitted (in-process, a DecodeBatch's submit runs its passes): a long
-        plan would delay them by all its passes."""
+        """The DecodeBatch settings of the worker's next plan: at most min(loops_per_plan,
+        loops_while_prompt_pending) passes (that setting's default: D) while a prompt is pending (a
+        request waits to be placed, or one on the worker has prompt chunks left) or a first token is
+        (one on the worker has no output yet: its prompt's last position is in this plan or in one in
+        flight), else loops_per_plan. A prompt's first token, and a waiting request's placement, come
+        with the result of a plan in flight, and a plan in flight is read after the next one is
+        submitted (in-process, a DecodeBatch's submit runs its passes): a long plan would delay them by
+        all its passes, while a short one pays a prefill step for fewer decode tokens."""
         prompt_pending = bool(self.waiting) or any(r.phase == Phase.PREFILL or not r.num_outputs for r in book.running)
         return self._prompt_decode if prompt_pending else self._decode
 

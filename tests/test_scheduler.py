@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from factories import add_requests, make_scheduler, result_for, run_step
 
-from protocol.messages import AppliedOps, PrefillBatch
+from protocol.messages import AppliedOps, DecodeBatch, PrefillBatch
 from rlt_engine.request import Phase, RequestStatus
 
 
@@ -126,3 +126,22 @@ def test_a_failed_step_that_opened_nothing_releases_nothing_and_resends_its_rele
     run_until(s, lambda: r3.is_finished)
     run_step(s)
     assert book.num_slots_held == 0 and book.kv.num_free_blocks == 64 and len(s.rng) == 0
+
+
+@pytest.mark.parametrize(("setting", "bound"), [(0, 4), (8, 8), (32, 16)])
+def test_a_plan_runs_at_most_loops_while_prompt_pending_passes_while_a_prompt_waits(setting: int, bound: int) -> None:
+    """loops_per_plan 16, D 4, one slot: while the second request waits to be placed, and while its
+    prompt and first token are pending, a DecodeBatch runs at most loops_while_prompt_pending passes
+    (0: D; never more than loops_per_plan); once nothing is pending, loops_per_plan."""
+    scheduler = make_scheduler(loops_per_plan=16, loops_while_prompt_pending=setting, max_num_seqs=1)
+    first, second = add_requests(scheduler, 2, max_tokens=6)
+    passes: list[tuple[bool, int]] = []
+    for _ in range(64):
+        pending = bool(scheduler.waiting) or not second.num_outputs
+        plan = run_step(scheduler)
+        if plan is None:
+            break
+        passes += [(pending, b.max_passes) for b in plan.batches if isinstance(b, DecodeBatch)]
+    assert first.status == second.status == RequestStatus.FINISHED
+    assert {p for pending, p in passes if pending} == {bound}
+    assert {p for pending, p in passes if not pending} == {16}

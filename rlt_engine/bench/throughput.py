@@ -482,7 +482,8 @@ class Grid:
                        loops_per_plan=a.loops_per_plan, enable_prefix_caching=mode != "shared_prefix_uncached",
                        max_plans_in_flight=a.max_plans_in_flight, mixed_batches=mode.endswith(MIXED))
         for flag in ("cuda_graphs", "cuda_graph_prefill", "fused_layers", "launch_pdl", "device_refill",
-                     "max_prefill_tokens_while_decoding", "prefill_tokens_per_decoding_row"):  # None: the engine's
+                     "max_prefill_tokens_while_decoding", "prefill_tokens_per_decoding_row",
+                     "loops_while_prompt_pending"):  # None: the engine's
             if getattr(a, flag) is not None:
                 options[flag] = getattr(a, flag)
         if mode.endswith(UNCAPPED):
@@ -960,6 +961,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="raise the prefill cap to this many prompt tokens per decoding request (default: the "
                         "engine's, 16)")
     p.add_argument("--loops-per-plan", type=int, default=0, help="0 = the engine's default (4·D on CUDA, 1 on CPU)")
+    p.add_argument("--loops-while-prompt-pending", type=int, default=None,
+                   help="most loop passes of a plan while a prompt or a first token is pending (default: the "
+                        "engine's, D)")
     p.add_argument("--max-plans-in-flight", type=int, default=0, choices=(0, 1, 2),
                    help="2: pipelined plans, 1: synchronous, 0 = the engine's default (2 on CUDA, 1 on CPU)")
     p.add_argument("--hbm-tbps", type=float, default=HBM_TBPS, help="HBM bandwidth of the floor, TB/s")
@@ -1016,6 +1020,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cuda_graphs": args.cuda_graphs, "cuda_graph_prefill": args.cuda_graph_prefill,
         "fused_layers": args.fused_layers, "launch_pdl": args.launch_pdl, "device_refill": args.device_refill,
         "loops_per_plan": args.loops_per_plan,
+        "loops_while_prompt_pending": args.loops_while_prompt_pending,
         "max_plans_in_flight": EngineConfig(device=args.device, max_plans_in_flight=args.max_plans_in_flight)
         .resolved().max_plans_in_flight,
         "sampling": "greedy, ignore_eos",
