@@ -33,8 +33,7 @@ from protocol.columns import F64, I32, I64, U64, Columnar
 # 10: WorkerConfig.launch_pdl (the decode pass's Triton kernels with programmatic dependent launch).
 # 11: WorkerConfig.device_refill (gate exits' passes with no readback between them).
 # 12: WorkerReady.prefill_token_buckets (the engine sizes a step's prompt tokens to a captured bucket).
-# 13: WorkerConfig.l2_prefetch_mb (the fused loop's weights prefetched into L2 ahead of their GEMV).
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 12
 
 
 class Stage(enum.IntEnum):
@@ -106,7 +105,6 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     exit_tests: tuple[int, ...] = ()
     launch_pdl: bool = False  # the decode pass's Triton kernels with programmatic dependent launch (sm_90+)
     device_refill: bool = False  # gate exits, CODA and refill of greedy rows on the device (needs cuda_graphs)
-    l2_prefetch_mb: int = 0  # fused layers: MB of the next GEMV's weight asked of L2 after each GEMV (0 = off)
 
 
 class WorkerHello(msgspec.Struct, tag=True, array_like=True, kw_only=True):

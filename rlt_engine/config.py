@@ -84,9 +84,6 @@ class EngineConfig:
                                    "write, attention, split merge, SwiGLU) with programmatic dependent launch, "
                                    "so each may start while its predecessor drains (CUDA sm_90+ with Triton "
                                    "attention; elsewhere plain launches)")
-    l2_prefetch_mb: int = _opt(0, "fused layers on CUDA: after each GEMV of a pass of at most 32 rows, ask the L2 "
-                                  "for up to this many MB of the next GEMV's weight from a side stream, so "
-                                  "it arrives while the kernels between them leave HBM idle (0 = off)")
     # On: ouro on the H200 at c1868c1 gave 217.4 against 172.5 tok/s at c = 1 and 1,694.3 against 1,387.0 at
     # c = 32 (gated 8/8 float32; docs/benchmarks.md).
     device_refill: bool = _opt(True, "gate exits (ouro) of greedy rows: the exit test, CODA, sampling and the "
@@ -146,7 +143,6 @@ class EngineConfig:
                              f"got {self.max_plans_in_flight!r}")
         _positive("loops_per_plan", self.loops_per_plan, minimum=0)
         _positive("loops_while_prompt_pending", self.loops_while_prompt_pending, minimum=0)
-        _positive("l2_prefetch_mb", self.l2_prefetch_mb, minimum=0)
         if self.num_blocks is not None:
             _positive("num_blocks", self.num_blocks)
         if self.max_loops is not None:
@@ -178,8 +174,7 @@ class EngineConfig:
         return dataclasses.replace(
             self, model=resolve_model(self.model), device=device, dtype=dtype, attention_backend=backend,
             cuda_graphs=graphs, cuda_graph_prefill=self.cuda_graph_prefill and graphs, fused_layers=fused,
-            launch_pdl=pdl, l2_prefetch_mb=self.l2_prefetch_mb if fused else 0, loops_per_plan=loops_per_plan,
-            max_plans_in_flight=in_flight,
+            launch_pdl=pdl, loops_per_plan=loops_per_plan, max_plans_in_flight=in_flight,
             device_refill=self.device_refill and graphs,
         )
 
@@ -205,7 +200,6 @@ class EngineConfig:
             max_num_batched_tokens=self.max_num_batched_tokens,
             exit_tests=worker_exit_tests(self.exit_mode),
             launch_pdl=self.launch_pdl,
-            l2_prefetch_mb=self.l2_prefetch_mb,
             device_refill=self.device_refill,
         )
 

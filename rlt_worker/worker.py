@@ -86,7 +86,7 @@ class Worker:
         if config.fused_layers:  # the CUDA fast path: set only for CUDA with Triton attention (EngineConfig)
             from rlt_worker.models.ouro_fused import with_fused_layers  # imports Triton: only when used
 
-            model = with_fused_layers(model, launch, config.l2_prefetch_mb)
+            model = with_fused_layers(model, launch)
         info = model.info
         max_depth = config.max_loops or info.default_depth  # D
         planes = num_planes(info, config.kv_layout, max_depth)

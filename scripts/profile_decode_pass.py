@@ -24,10 +24,6 @@ both in the same run and compares them (bit-equal expected: PDL changes timing, 
 The PDL path packs its own copy of the q|k|v and gate|up weights (a second FusedOuroModel).
 `--splitk FILE` adds `fused-splitk`: the fused path with plain launches and the split-K settings
 that won in a `scripts/bench_linear.py --sweep --json FILE` run, compared with `fused` the same way.
-`--l2-prefetch "8;16:o"` adds `fused-pf8` and `fused-pf16:o`: the fused path with L2Prefetch
-(rlt_worker/kernels/l2_prefetch.py) of that many MB of the next weight at the sites named (default
-all: o, gate_up, down, qkv), from `:P` programs (default 16); each is compared with `fused`
-(bit-equal expected: a prefetch is a hint).
 
 Both paths share one KV pool of random K/V (only values read by attention; both write their own
 K/V of the pass at the same slots). The bytes a pass must read (loop weights + the context's K/V)
@@ -63,8 +59,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the fused path with plain launches, with programmatic dependent launch, or both")
     p.add_argument("--splitk", default=None, metavar="FILE",
                    help="also time the fused path with the winning split-K settings of this bench_linear sweep JSON")
-    p.add_argument("--l2-prefetch", default="", metavar="SPECS",
-                   help="';'-separated MB[:SITES[:PROGRAMS]]: also time the fused path with those L2 prefetches")
     p.add_argument("--top", type=int, default=0, help="print the N kernel names with the most GPU time per path")
     p.add_argument("--json", default=None, help="write the results here")
     return p.parse_args(argv)
@@ -81,7 +75,6 @@ from bench_linear import winning_settings  # noqa: E402  (scripts/, this script'
 
 from protocol.columns import I32, I64, pack  # noqa: E402
 from protocol.messages import Admit, BlockAppends, ExecutionPlan  # noqa: E402
-from rlt_worker.kernels.l2_prefetch import PREFETCH_SITES, L2Prefetch  # noqa: E402
 from rlt_worker.kernels.launch import PLAIN, KernelLaunch  # noqa: E402
 from rlt_worker.kv_storage import KVStorage, num_planes  # noqa: E402
 from rlt_worker.model_runner import ModelRunner, RunnerConfig  # noqa: E402
@@ -115,8 +108,6 @@ class Setup:
             settings = winning_settings(json.loads(Path(args.splitk).read_text()))
             print(f"fused-splitk: {len(settings)} weights on split-K: {settings}")
             paths.append(("fused-splitk", FusedOuroModel(self.reference, PLAIN, splitk=settings), PLAIN))
-        paths += [(f"fused-pf{spec}", FusedOuroModel(self.reference, PLAIN, prefetch=prefetch_from_spec(spec)), PLAIN)
-                  for spec in prefetch_specs(args)]
         planes = num_planes(info, "last_exited", self.depth)
         self.runners = {name: self._runner(model, launch, planes, max_rows, num_blocks)
                         for name, model, launch in paths}
@@ -154,18 +145,6 @@ class Setup:
         graphs = self.runners[name]._graphs
         key = graphs.bucket(rows, context - 1)
         return key, graphs._graphs[key]
-
-
-def prefetch_specs(args: argparse.Namespace) -> list[str]:
-    return [spec for spec in args.l2_prefetch.split(";") if spec]
-
-
-def prefetch_from_spec(spec: str) -> L2Prefetch:
-    """MB[:SITES[:PROGRAMS]], e.g. "8", "16:o,gate_up", "8:o:32"."""
-    mb, sites, programs = (spec.split(":") + ["", ""])[:3]
-    return L2Prefetch(budget_bytes=int(float(mb) * 2**20),
-                      sites=frozenset(sites.split(",")) if sites else frozenset(PREFETCH_SITES),
-                      programs=int(programs) if programs else 16)
 
 
 def time_replays(graph, replays: int, cuda: bool) -> list[float]:
@@ -291,7 +270,6 @@ def main(args: argparse.Namespace) -> dict:
         layers = setup.info.num_loop_kv_layers
         comparisons = [("torch", _fused_path(setup))] + ([("fused", "fused-pdl")] if args.pdl == "both" else [])
         comparisons += [(_fused_path(setup), "fused-splitk")] if args.splitk else []
-        comparisons += [(_fused_path(setup), f"fused-pf{spec}") for spec in prefetch_specs(args)]
         for rows in rows_list:
             outs = {name: setup.run_pass(name, rows, args.context) for name in setup.runners}
             report["parity"].extend({"pair": f"{b} vs {a}", "dtype": dtype_name, "rows": rows,

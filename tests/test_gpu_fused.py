@@ -7,8 +7,6 @@
 - bf16, the same model, 32 requests: every CODA's logits of the fused path against the torch
   modules' (both Triton attention + graphs; CODA eager there, since the logits are recorded from
   lm_head calls) within bf16 tolerance; no capture while serving.
-- bf16, ouro, 1 and 8 requests: L2 prefetch on (`l2_prefetch_mb`) changes no token, exit depth or
-  logprob bit.
 
 Skipped without CUDA. Run on the device machine: python -m pytest -m gpu tests/test_gpu_fused.py -s
 """
@@ -24,7 +22,6 @@ from test_gpu import _free_cuda, _record_logits
 from protocol.messages import SamplingParams
 from rlt_engine import LLM
 from rlt_engine.bench import gate
-from rlt_worker.kernels.l2_prefetch import L2Prefetch
 from rlt_worker.models.ouro_fused import FusedOuroModel
 
 pytestmark = [
@@ -114,27 +111,3 @@ def test_bf16_logits_fused_vs_torch_modules() -> None:
     assert compared >= 32
     assert worst_cos > 0.99 and worst_rel < 0.1
     assert equal == clear
-
-
-def _prefetch_run(l2_prefetch_mb: int, prompts: list[list[int]], params: SamplingParams) -> tuple[list, dict]:
-    with LLM(MODEL, workers=0, device="cuda", dtype="bfloat16", exit_mode="ouro", l2_prefetch_mb=l2_prefetch_mb,
-             max_num_seqs=8, num_blocks=1024) as llm:
-        model = llm.engine.executor._worker.runner.model
-        assert isinstance(model.prefetch, L2Prefetch) == bool(l2_prefetch_mb), model.prefetch
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        stats = llm.engine.executor._worker.runner.graph_stats
-    _free_cuda()
-    return [(o.token_ids, o.exit_depths, o.logprobs) for o in outputs], stats
-
-
-def test_l2_prefetch_changes_no_bit() -> None:
-    """A prefetch is a hint: bf16 tokens, exit depths and logprobs are bit-equal with it on, through
-    graphs (device refill at 1 row) and eager passes, 1 and 8 requests at once."""
-    rng = random.Random(18)
-    prompts = [[rng.randrange(49152) for _ in range(rng.randint(8, 300))] for _ in range(8)]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1, exit_threshold=0.5)
-    for batch in (prompts[:1], prompts):
-        want, _ = _prefetch_run(0, batch, params)
-        got, stats = _prefetch_run(16, batch, params)
-        assert got == want
-        assert stats["replays"] > 0 and stats["lazy_captures"] == 0, stats

@@ -483,7 +483,7 @@ class Grid:
                        max_plans_in_flight=a.max_plans_in_flight, mixed_batches=mode.endswith(MIXED))
         for flag in ("cuda_graphs", "cuda_graph_prefill", "fused_layers", "launch_pdl", "device_refill",
                      "max_prefill_tokens_while_decoding", "prefill_tokens_per_decoding_row",
-                     "loops_while_prompt_pending", "l2_prefetch_mb"):  # None: the engine's
+                     "loops_while_prompt_pending"):  # None: the engine's
             if getattr(a, flag) is not None:
                 options[flag] = getattr(a, flag)
         if mode.endswith(UNCAPPED):
@@ -951,9 +951,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="Ouro's layers through the fused Triton kernels (default: the engine's, on for CUDA + Triton)")
     p.add_argument("--launch-pdl", action=argparse.BooleanOptionalAction, default=None,
                    help="the decode pass's Triton kernels with programmatic dependent launch (default: the engine's)")
-    p.add_argument("--l2-prefetch-mb", type=int, default=None,
-                   help="MB of the next GEMV's weight asked of L2 after each GEMV of a fused pass (default: the "
-                        "engine's, 0 = off)")
     p.add_argument("--device-refill", action=argparse.BooleanOptionalAction, default=None,
                    help="gate exits, CODA and refill of greedy rows on the device, no readback between a plan's "
                         "passes (default: the engine's)")
@@ -1023,7 +1020,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cuda_graphs": args.cuda_graphs, "cuda_graph_prefill": args.cuda_graph_prefill,
         "fused_layers": args.fused_layers, "launch_pdl": args.launch_pdl, "device_refill": args.device_refill,
         "loops_per_plan": args.loops_per_plan,
-        "loops_while_prompt_pending": args.loops_while_prompt_pending, "l2_prefetch_mb": args.l2_prefetch_mb,
+        "loops_while_prompt_pending": args.loops_while_prompt_pending,
         "max_plans_in_flight": EngineConfig(device=args.device, max_plans_in_flight=args.max_plans_in_flight)
         .resolved().max_plans_in_flight,
         "sampling": "greedy, ignore_eos",

@@ -47,7 +47,6 @@ from torch import nn
 
 from rlt_worker.attention.triton_backend import _interpreting
 from rlt_worker.kernels.fused_ops import add_rmsnorm, rope_qk, rope_table, swiglu
-from rlt_worker.kernels.l2_prefetch import NO_PREFETCH, L2Prefetch, WeightPrefetch
 from rlt_worker.kernels.launch import PLAIN, KernelLaunch
 from rlt_worker.kernels.splitk_gemv import SUPPORTED_DTYPES, SplitKConfig, SplitKGemv
 
@@ -113,11 +112,10 @@ class FusedOuroModel(LoopedModel):
 
     def __init__(self, reference: OuroModel, launch: KernelLaunch = PLAIN,
                  splitk: Mapping[WeightKey, SplitKConfig] = SPLITK_SETTINGS,
-                 splitk_max_rows: int = SPLITK_MAX_ROWS, prefetch: WeightPrefetch = NO_PREFETCH) -> None:
+                 splitk_max_rows: int = SPLITK_MAX_ROWS) -> None:
         super().__init__()
         self.reference = reference
         self.launch = launch  # how add_rmsnorm and swiglu launch (the context's backend has its own)
-        self.prefetch = prefetch  # which weights the L2 fetches ahead of their GEMV (kernels/l2_prefetch.py)
         self.config = reference.config
         self.info = reference.info
         cfg = self.config
@@ -150,24 +148,13 @@ class FusedOuroModel(LoopedModel):
         rope = Rotary(positions, self._cos, self._sin, heads, kv_heads, head_dim)
         attend_rotary = (ctx.attend_rotary if isinstance(ctx, RotaryAttentionContext)
                          else functools.partial(rope_then_attend, ctx))
-        ahead = self.prefetch.ahead
         x, y = add_rmsnorm(state, None, None, layers[0].input_norm, eps, launch=launch)
         for i, w in enumerate(layers):
-            qkv = linear(y, w.qkv)
-            ahead("o", w.o, n)
-            attn = attend_rotary(w.layer, qkv, rope).reshape(n, heads * head_dim)
-            o = linear(attn, w.o)
-            ahead("gate_up", w.gate_up, n)
-            x, y = add_rmsnorm(x, o, w.input_norm_2, w.post_norm, eps, launch=launch)
-            gate_up = linear(y, w.gate_up)
-            ahead("down", w.down, n)
-            mlp = linear(swiglu(gate_up, launch=launch), w.down)
-            last = i + 1 == len(layers)
-            if not last:
-                ahead("qkv", layers[i + 1].qkv, n)
-            x, y = add_rmsnorm(x, mlp, w.post_norm_2, self._final_norm if last else layers[i + 1].input_norm, eps,
-                               launch=launch)
-        self.prefetch.join()
+            attn = attend_rotary(w.layer, linear(y, w.qkv), rope).reshape(n, heads * head_dim)
+            x, y = add_rmsnorm(x, linear(attn, w.o), w.input_norm_2, w.post_norm, eps, launch=launch)
+            mlp = linear(swiglu(linear(y, w.gate_up), launch=launch), w.down)
+            closing = layers[i + 1].input_norm if i + 1 < len(layers) else self._final_norm
+            x, y = add_rmsnorm(x, mlp, w.post_norm_2, closing, eps, launch=launch)
         return y
 
     def exit_gate(self, state: torch.Tensor) -> torch.Tensor:
@@ -223,11 +210,10 @@ def rope_then_attend(ctx: AttentionContext, layer: LayerId, qkv: torch.Tensor, r
     return ctx.attend(layer, q, k, v)
 
 
-def with_fused_layers(model: LoopedModel, launch: KernelLaunch = PLAIN, l2_prefetch_mb: int = 0) -> LoopedModel:
-    """The worker's seam: Ouro gets FusedOuroModel (its kernels launched under `launch`, its weights
-    prefetched into L2 when l2_prefetch_mb > 0); other families (Huginn) keep their torch modules."""
+def with_fused_layers(model: LoopedModel, launch: KernelLaunch = PLAIN) -> LoopedModel:
+    """The worker's seam: Ouro gets FusedOuroModel (its kernels launched under `launch`); other
+    families (Huginn) keep their torch modules."""
     if isinstance(model, OuroModel):
-        prefetch = L2Prefetch(budget_bytes=l2_prefetch_mb * 2**20) if l2_prefetch_mb else NO_PREFETCH
-        return FusedOuroModel(model, launch, prefetch=prefetch)
+        return FusedOuroModel(model, launch)
     log.info("fused_layers: no fused path for the %s family; its torch modules run", model.info.family)
     return model
