@@ -61,7 +61,7 @@ from rlt_worker.models.base import LoopedModel
 from rlt_worker.paged_context import PagedContext, PagedPlaneView, PrefillChunks
 from rlt_worker.philox import truncated_normal
 from rlt_worker.prefill_rows import DeviceChunks, HostChunks, PrefillRows
-from rlt_worker.sampler import SamplingTensors, sample
+from rlt_worker.sampler import GreedyRule, SamplingTensors, sample, torch_greedy
 from rlt_worker.step_results import HostCopies, PendingResult, ResultBuilder
 from rlt_worker.swap import SwapStore
 
@@ -104,6 +104,17 @@ class PassColumns:
     staged: StagedPass | None
 
 
+def greedy_rule(device: torch.device, attention_backend: str) -> GreedyRule:
+    """How all-greedy batches sample: Triton's two launches on CUDA with the Triton backend
+    (rlt_worker/kernels/greedy.py, 45 µs → a few at 1 row on the H200); elsewhere, and on the torch
+    path (the gate's reference), torch's."""
+    if device.type == "cuda" and attention_backend == "triton":
+        from rlt_worker.kernels.greedy import triton_greedy  # imports Triton: only when used
+
+        return triton_greedy
+    return torch_greedy
+
+
 class ModelRunner:
     """Executes plans; owns the slot table and every per-slot device tensor."""
 
@@ -114,6 +125,7 @@ class ModelRunner:
         self.config = config
         self.device = storage.pool.device
         self._backend = get_backend(config.attention_backend, config.kernel_launch)
+        self._greedy = greedy_rule(self.device, config.attention_backend)
         dtype = storage.pool.dtype
         slots, hidden = config.max_slots, info.hidden_size
         max_blocks = math.ceil(info.max_model_len / storage.block_size)
@@ -622,7 +634,7 @@ class ModelRunner:
         CodaGraphs captures, and DeviceRefill's CODA of every row of a pass."""
         positions = torch.zeros_like(slots)  # unread: this coda has no attention
         hidden = self.model.coda(self.state[slots], positions, self.context(slots, positions, None, 1))
-        return sample(self.model.lm_head(hidden), params, all_greedy=greedy)
+        return sample(self.model.lm_head(hidden), params, all_greedy=greedy, greedy=self._greedy)
 
     def is_stop_token(self, slots: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """bool [n]: whether each token is one of its slot's stop tokens (the dummy slot has none)."""
@@ -667,6 +679,6 @@ class ModelRunner:
         params = SamplingTensors(temperature=self.temperature[slots], top_k=self.top_k[slots],
                                  top_p=self.top_p[slots], seeds=seed_tensor, indices=sample_indices)
         tokens, logprobs = sample(self.model.lm_head(hidden), params, all_greedy=all_greedy,
-                                  forced=forced[0] if forced else None)
+                                  forced=forced[0] if forced else None, greedy=self._greedy)
         self.tokens[slots] = tokens
         return tokens, logprobs

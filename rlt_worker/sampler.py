@@ -17,7 +17,7 @@ Rules a caller must know:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -72,30 +72,44 @@ def _allowed_mask(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     return torch.zeros_like(keep).scatter(1, order, keep)
 
 
+GreedyRule = Callable[[Tensor], tuple[Tensor, Tensor]]  # logits [N, V] -> (argmax int64, its logprob float64)
+
+
+def torch_greedy(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """The greedy rule in torch: argmax of the logits (lowest id on ties) and log_softmax there, float64."""
+    x = logits.double()
+    tokens = torch.argmax(x, dim=-1)
+    return tokens, torch.log_softmax(x, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+
+
 def sample(
-    logits: Tensor, params: SamplingTensors, all_greedy: bool | None = None, forced: Tensor | None = None
+    logits: Tensor, params: SamplingTensors, all_greedy: bool | None = None, forced: Tensor | None = None,
+    greedy: GreedyRule = torch_greedy,
 ) -> tuple[Tensor, Tensor]:
     """Sample one token per row of logits [N, V]; returns (tokens int64 [N], logprobs float64 [N]).
 
     `all_greedy`: whether every row's temperature is <= 0, when the caller knows it on the host
     (the runner does); None reads it from `params.temperature`, a device→host sync on CUDA.
     `forced` (int64 [N], −1 = sample): rows whose token is given (teacher forcing); the logprob
-    is that token's.
+    is that token's. `greedy`: how an all-greedy batch without forced tokens is computed (the
+    runner's choice: torch_greedy, or on CUDA rlt_worker.kernels.greedy.triton_greedy).
     """
+    if all_greedy and forced is None:
+        return greedy(logits)
     x = logits.double()
     dev = x.device
     temperature = params.temperature.to(dev, torch.float64)
-    greedy = temperature <= 0
+    greedy_rows = temperature <= 0
     tokens = torch.argmax(x, dim=-1)
     if all_greedy is None:
-        all_greedy = bool(greedy.all())
+        all_greedy = bool(greedy_rows.all())
     if not all_greedy:
-        scaled = x / torch.where(greedy, 1.0, temperature)[:, None]
+        scaled = x / torch.where(greedy_rows, 1.0, temperature)[:, None]
         allowed = _allowed_mask(scaled, params.top_k.to(dev), params.top_p.to(dev, torch.float64))
         # Gumbel-max: argmax(scaled + g), g = -log(-log u), samples softmax(scaled) over allowed.
         u = uniform(params.seeds.to(dev), PURPOSE_SAMPLE, params.indices.to(dev), x.shape[1])
         noisy = (scaled - torch.log(-torch.log(u))).masked_fill(~allowed, float("-inf"))
-        tokens = torch.where(greedy, tokens, torch.argmax(noisy, dim=-1))
+        tokens = torch.where(greedy_rows, tokens, torch.argmax(noisy, dim=-1))
     if forced is not None:
         forced = forced.to(dev)
         tokens = torch.where(forced >= 0, forced, tokens)
