@@ -106,8 +106,7 @@ class PassColumns:
 
 def greedy_rule(device: torch.device, attention_backend: str) -> GreedyRule:
     """How all-greedy batches sample: Triton's two launches on CUDA with the Triton backend
-    (rlt_worker/kernels/greedy.py, 45 µs → a few at 1 row on the H200); elsewhere, and on the torch
-    path (the gate's reference), torch's."""
+    (rlt_worker/kernels/greedy.py); elsewhere, and on the torch path (the gate's reference), torch's."""
     if device.type == "cuda" and attention_backend == "triton":
         from rlt_worker.kernels.greedy import triton_greedy  # imports Triton: only when used
 

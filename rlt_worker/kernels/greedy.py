@@ -1,9 +1,9 @@
 """Greedy sampling on CUDA in two launches: the argmax of each row's logits and its float64 logprob.
 
 The sampler's torch path for an all-greedy batch casts the [N, V] logits to float64, takes the
-argmax, and gathers log_softmax at it. On the H200 at 1 row and V = 49,152 that is about 45 µs of a
-CODA (log_softmax 28, argmax 14: one block per row each, docs/benchmarks.md), paid at every pass of
-device refill. Here:
+argmax, and gathers log_softmax at it. On the H200 at 1 row and V = 49,152, log_softmax takes 28 µs
+and the argmax 14 (one block per row each; docs/benchmarks/h200-ouro-gap-4aa2626.json), paid at
+every pass of device refill. Here:
 
     partials   program (row, part) over columns [part·chunk, (part + 1)·chunk): in float64 the
                part's max m, the lowest column holding it, and s = Σ exp(x − m)
