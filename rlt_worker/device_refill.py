@@ -107,6 +107,7 @@ class RefillGraphs:
                 self._graphs[key] = self.passes._capture(
                     functools.partial(self._pass, rows, width, make_exit_test(exit_test)), self._warm_up(rows))
                 self.passes.stats.lazy_captures += 1
+                self.passes.stats.refill_captures += 1
             except Exception as exc:  # keep serving: the host loop runs these batches
                 log.exception("CUDA graph capture of a device-refill pass (%d rows × %d blocks) failed", rows, width)
                 self.error = self.passes.stats.refill_error = f"{type(exc).__name__}: {exc}"

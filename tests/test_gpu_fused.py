@@ -63,9 +63,11 @@ def test_float32_gate_fused_and_torch_modules(mode: str) -> None:
         _free_cuda()
         print(f"\n{MODEL} float32 {mode}, fused_layers={fused}: {result.summary()}; graphs {stats}")
         assert result.passed, result.summary()
-        assert stats["lazy_captures"] == 0 and stats["eager_passes"] == 0, stats
+        # Only device refill's pass graphs are captured at first use (rlt_worker/device_refill.py).
+        assert stats["lazy_captures"] == stats["refill_captures"] and stats["eager_passes"] == 0, stats
         assert stats["coda_replays"] > 0, stats  # CODA (head + sampling) from graphs, gate or not
-        assert stats["replays"] > 0, stats  # ouro too: the worker's exit test runs after the pass's graph
+        # ouro's greedy rows take device refill's graphs; the others the pass graphs
+        assert stats["replays"] + stats["device_refill_plans"] > 0, stats
 
 
 def _bf16_run(fused: bool, prompts: list[list[int]], params: SamplingParams) -> tuple[dict, list, dict]:
