@@ -8,9 +8,10 @@ Each rule runs 20 times inside one CUDA graph on bf16 logits; the median of 30 r
 from __future__ import annotations
 
 import argparse
-import statistics
+import functools
 
 import torch
+from bench_linear import time_in_graph  # scripts/, this script's folder
 
 from rlt_worker.kernels.greedy import triton_greedy
 from rlt_worker.sampler import torch_greedy
@@ -19,24 +20,9 @@ CALLS_PER_GRAPH = 20
 REPLAYS = 30
 
 
-def time_rule(rule, logits: torch.Tensor) -> float:
-    """Median µs of one call of rule(logits), from graph replays."""
-    for _ in range(3):
+def calls(rule, logits: torch.Tensor) -> None:
+    for _ in range(CALLS_PER_GRAPH):
         rule(logits)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            rule(logits)
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / CALLS_PER_GRAPH * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -46,7 +32,8 @@ def main() -> None:
     args = p.parse_args()
     for rows in (int(r) for r in args.rows.split(",")):
         logits = torch.randn(rows, args.vocab, device="cuda").to(torch.bfloat16)
-        torch_us, triton_us = time_rule(torch_greedy, logits), time_rule(triton_greedy, logits)
+        torch_us, triton_us = (time_in_graph(functools.partial(calls, rule, logits), CALLS_PER_GRAPH, REPLAYS)
+                               for rule in (torch_greedy, triton_greedy))
         print(f"greedy rows {rows}: torch {torch_us:.1f} µs, triton {triton_us:.1f} µs per call "
               f"(graph, median of {REPLAYS} × {CALLS_PER_GRAPH})")
 
