@@ -1,6 +1,6 @@
 """Where one request's decode time goes at c = 1, ouro against trace: GPU busy against idle (the profiler's
-kernel intervals: their union, and the gaps between them over 20 µs), the kernels by total GPU time, and
-the host's Python (cProfile).
+kernel intervals: their union, and the gaps between them over 20 µs, with the activities on either side
+of them), the kernels by total GPU time, and the host's Python (cProfile).
 
     python scripts/profile_ouro_gap.py OUT_DIR     # CUDA; writes OUT_DIR/ouro_gap.json
 
@@ -27,6 +27,7 @@ from rlt_engine.llm import LLM
 
 GAP_US = 20.0
 TOP_KERNELS = 25  # kernels by total GPU time in the profiled request
+TOP_GAP_PAIRS = 12  # (activity before, activity after) pairs of the gaps over GAP_US, by their total
 
 
 def run_request(engine, job, request_id: str) -> tuple[int, float]:
@@ -41,16 +42,21 @@ def run_request(engine, job, request_id: str) -> tuple[int, float]:
 
 
 def kernel_timeline(prof) -> dict[str, float]:
-    """The union of the kernels' intervals and the gaps over GAP_US between them, in ms."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    """The union of the kernels' intervals and the gaps over GAP_US between them, in ms; and which
+    device activities (kernels, copies) end and start the gaps over GAP_US, by pair."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA)
     busy, gaps = 0.0, []
-    start, end = spans[0]
-    for s, e in spans[1:]:
+    pairs: dict[tuple[str, str], list[float]] = {}
+    start, end, last = spans[0]
+    for s, e, name in spans[1:]:
         if s > end:
             busy, gaps = busy + end - start, gaps + [s - end]
-            start, end = s, e
-        else:
-            end = max(end, e)
+            if s - end > GAP_US:
+                pairs.setdefault((last[:60], name[:60]), []).append(s - end)
+            start, end, last = s, e, name
+        elif e >= end:
+            end, last = e, name
     busy += end - start
     big = [g for g in gaps if g > GAP_US]
     by_name: dict[str, list[float]] = {}
@@ -62,7 +68,10 @@ def kernel_timeline(prof) -> dict[str, float]:
             "gaps_over_20us": len(big), "gap_ms_over_20us": sum(big) / 1e3,
             "gap_median_us": statistics.median(big) if big else 0.0, "kernels": len(spans),
             "top_kernels": [{"name": name[:90], "count": len(d), "total_ms": round(sum(d) / 1e3, 3)}
-                            for name, d in top]}
+                            for name, d in top],
+            "gap_pairs": [{"before": b, "after": a, "count": len(g), "total_ms": round(sum(g) / 1e3, 3),
+                           "median_us": round(statistics.median(g), 1)}
+                          for (b, a), g in sorted(pairs.items(), key=lambda kv: -sum(kv[1]))[:TOP_GAP_PAIRS]]}
 
 
 def cprofile_table(fn, sort: str, lines: int) -> str:
