@@ -79,7 +79,12 @@ def torch_greedy(logits: Tensor) -> tuple[Tensor, Tensor]:
     """The greedy rule in torch: argmax of the logits (lowest id on ties) and log_softmax there, float64."""
     x = logits.double()
     tokens = torch.argmax(x, dim=-1)
-    return tokens, torch.log_softmax(x, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    return tokens, _logprob_at(x, tokens)
+
+
+def _logprob_at(x: Tensor, tokens: Tensor) -> Tensor:
+    """log_softmax of float64 logits x [N, V] at each row's token [N]."""
+    return torch.log_softmax(x, dim=-1).gather(1, tokens[:, None]).squeeze(1)
 
 
 def sample(
@@ -113,5 +118,4 @@ def sample(
     if forced is not None:
         forced = forced.to(dev)
         tokens = torch.where(forced >= 0, forced, tokens)
-    logprobs = torch.log_softmax(x, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-    return tokens, logprobs
+    return tokens, _logprob_at(x, tokens)
