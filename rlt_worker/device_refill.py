@@ -30,7 +30,8 @@ Every operation is the host path's on the same rows (the same pass, exit test, f
 coda, head and sampler), so tokens and exit depths are the host loop's; only the head GEMM's row
 count (the bucket's, not the exits') differs, which batch invariance does not cover on CUDA. The
 price is CODA for every row at every pass instead of once per token: the head's weight is read per
-pass (a greedy CODA graph of 1 row: 0.075 ms of GPU time on the H200 at a2101b6, docs/benchmarks.md).
+pass (a greedy CODA graph of 1 row, with the Triton greedy rule: 0.075 ms of GPU time on the H200,
+docs/benchmarks.md).
 
 The buffers live per rows bucket for the worker's life (the graphs read them at fixed addresses);
 graphs are captured at a bucket's first use (`lazy_captures`). When it runs (`DeviceRefill.plan`,
