@@ -201,6 +201,7 @@ class EngineConfig:
             exit_tests=worker_exit_tests(self.exit_mode),
             launch_pdl=self.launch_pdl,
             device_refill=self.device_refill,
+            mixed_graphs=self.mixed_batches and self.cuda_graphs,
         )
 
 

@@ -60,6 +60,7 @@ from protocol.messages import ExitTest
 from rlt_worker.coda_graphs import CodaGraphs
 from rlt_worker.device_refill import RefillGraphs
 from rlt_worker.exit_graphs import ExitTestGraphs
+from rlt_worker.piecewise_graphs import PiecewiseGraphs
 from rlt_worker.prefill_graphs import PrefillGraphs, next_pow2
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ class GraphStats:
 
     replays: int = 0  # passes run from a graph
     eager_passes: int = 0  # decode loop passes that fit no bucket
-    mixed_passes: int = 0  # decode loop passes run eagerly because prompt chunks rode them (mixed batches)
+    mixed_passes: int = 0  # decode loop passes that prompt chunks rode (mixed batches: from pieces or eager)
     captures: int = 0
     capture_s: float = 0.0
     startup_captures: int = 0  # captured by capture_all() before serving
@@ -107,6 +108,12 @@ class GraphStats:
     prefill_capture_mib: float = 0.0  # their share of capture_mib (captured first: the pool's growth)
     prefill_buckets: dict[str, int] = field(default_factory=dict)  # "tokens x chunks" → batches
     prefill_error: str | None = None  # a prefill capture failed: prefill runs eagerly (the rest keep graphs)
+    piece_replays: int = 0  # loop passes over stacked rows run from graph pieces (rlt_worker/piecewise_graphs.py)
+    piece_eager: int = 0  # such passes run eagerly (more rows than the largest bucket, a failed capture)
+    piece_rows: int = 0  # real rows of the piece replays
+    piece_padded_rows: int = 0  # bucket rows beyond them
+    piece_startup_captures: int = 0  # buckets captured by capture_all() (within startup_captures)
+    piece_error: str | None = None  # a capture in pieces failed: those passes run eagerly (the rest keep graphs)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -127,6 +134,9 @@ class GraphStats:
             "prefill_capture_s": round(self.prefill_capture_s, 3),
             "prefill_capture_mib": round(self.prefill_capture_mib, 1),
             "prefill_buckets": dict(self.prefill_buckets), "prefill_error": self.prefill_error,
+            "piece_replays": self.piece_replays, "piece_eager": self.piece_eager, "piece_rows": self.piece_rows,
+            "piece_padded_rows": self.piece_padded_rows, "piece_startup_captures": self.piece_startup_captures,
+            "piece_error": self.piece_error,
         }
 
 
@@ -152,7 +162,7 @@ class LoopPassGraphs:
 
     def __init__(
         self, runner: ModelRunner, dummy_slot: int, scratch_block: int, emulate: bool, prefill_tokens: int = 0,
-        exit_tests: tuple[ExitTest, ...] = (),
+        exit_tests: tuple[ExitTest, ...] = (), piece_tokens: int = 0,
     ) -> None:
         self.runner = runner
         self.emulate = emulate
@@ -171,11 +181,14 @@ class LoopPassGraphs:
         self._graphs: dict[tuple[int, int], Any] = {}
         self._pool: Any = None
         self._stream: torch.cuda.Stream | None = None
+        self._pieces: list[Any] | None = None  # the graphs of a capture in pieces, while it runs
         self.stats = GraphStats()
         # A coda without attention (Ouro) is graphed too; Huginn's reads its coda K/V and stays eager.
         self.coda = CodaGraphs(self) if runner.model.info.num_outer_kv_layers == 0 else None
         # PREFILL chunk passes of up to prefill_tokens rows (0: prefill runs eagerly).
         self.prefill = PrefillGraphs(self, prefill_tokens) if prefill_tokens else None
+        # Passes over stacked rows of up to piece_tokens rows (mixed batches) in pieces (0: they run eagerly).
+        self.pieces = PiecewiseGraphs(self, piece_tokens) if piece_tokens else None
         # DecodeBatch exit tests after a replayed pass; `exit_tests` are captured at start-up.
         self.exits = ExitTestGraphs(self, exit_tests)
         # DecodeBatches with exits and refill on the device (Ouro's coda: no attention), captured at first use.
@@ -199,6 +212,10 @@ class LoopPassGraphs:
             self.stats.prefill_startup_captures += captured
             self.stats.prefill_capture_s = time.perf_counter() - t0
             self.stats.prefill_capture_mib = (self._reserved() - reserved_before) / 2**20
+        if self.pieces is not None:
+            captured = self.pieces.capture_all()
+            self.stats.startup_captures += captured
+            self.stats.piece_startup_captures += captured
         for rows in reversed(self.row_buckets):
             for width in reversed(self.widths()):
                 if (rows, width) not in self._graphs and self.stats.error is None:
@@ -320,6 +337,47 @@ class LoopPassGraphs:
             return _EagerReplay(fn)
         t0 = time.perf_counter()
         warm_up()  # warm-up rows read and write only what no real row owns
+        self._warm_up_runs(fn)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+            fn()
+        self._captured(t0)
+        return graph
+
+    def capture_pieces(self, warm_up: Callable[[], None], fn: Callable[[], None]) -> list[Any]:
+        """The graphs of fn cut wherever it calls next_piece(), after two runs of `warm_up` (fn without
+        the cuts) on the capture stream; emulate: no graph, after one warm-up run (rlt_worker/piecewise_graphs.py)."""
+        if self.emulate:
+            warm_up()
+            self.stats.captures += 1
+            return []
+        t0 = time.perf_counter()
+        self._warm_up_runs(warm_up)
+        torch.cuda.synchronize(self.runner.device)  # as torch.cuda.graph does before a capture
+        self._pieces = []
+        with torch.cuda.stream(self._stream):
+            self._begin_piece()
+            try:
+                fn()
+            finally:
+                self._pieces[-1].capture_end()
+        pieces, self._pieces = self._pieces, None
+        self._captured(t0)
+        return pieces
+
+    def next_piece(self) -> None:
+        """Inside capture_pieces' fn: end the piece being captured and begin the next."""
+        assert self._pieces is not None, "next_piece outside capture_pieces"
+        self._pieces[-1].capture_end()
+        self._begin_piece()
+
+    def _begin_piece(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+        self._pieces.append(graph)
+
+    def _warm_up_runs(self, fn: Callable[[], None]) -> None:
+        """fn twice on the capture stream (Triton compilation, cuBLAS workspaces), the stream made first."""
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.runner.device)
             self._pool = torch.cuda.graph_pool_handle()
@@ -328,10 +386,8 @@ class LoopPassGraphs:
             for _ in range(2):
                 fn()
         torch.cuda.current_stream().wait_stream(self._stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-            fn()
+
+    def _captured(self, t0: float) -> None:
         torch.cuda.synchronize(self.runner.device)
         self.stats.captures += 1
         self.stats.capture_s += time.perf_counter() - t0
-        return graph

@@ -108,6 +108,7 @@ class Worker:
             exit_tests=tuple(ExitTest(t) for t in config.exit_tests),
             kernel_launch=launch,
             device_refill=config.device_refill,
+            mixed_graphs=config.mixed_graphs,
         )
         self.runner = ModelRunner(model, storage, runner_config)
         log.info("worker %d ready on %s: %d KV blocks, %d planes", self.index, device, num_blocks, planes)

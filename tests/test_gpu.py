@@ -410,6 +410,9 @@ def test_ouro_1_4b_float32_mixed_batches_equal_torch(mode: str, layout: str) -> 
     assert result.passed, result.summary()
     assert stats is not None and stats["mixed_passes"] > 0 and stats["replays"] > 0, stats
     assert stats["prefill_replays"] > 0, stats
+    # every mixed pass in graph pieces (rlt_worker/piecewise_graphs.py), captured at start-up
+    assert stats["piece_replays"] >= stats["mixed_passes"] and stats["piece_eager"] == 0, stats
+    assert stats["piece_startup_captures"] == 4 and stats["lazy_captures"] == stats["refill_captures"], stats
 
 
 @pytest.mark.parametrize("mode", ["trace", "ouro"])
