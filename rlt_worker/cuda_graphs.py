@@ -34,7 +34,9 @@ themselves: `capture_mib` is the growth of the caching allocator's reserved memo
 `capture_all()` (free device memory would also count other objects of the process being freed). Passes with more
 rows than the largest bucket run eagerly (`eager_passes` counts them). PREFILL chunk passes have graphs
 of their own (rlt_worker/prefill_graphs.py), captured first (they are the largest) in the same pool;
-`prefill_capture_s` and `prefill_capture_mib` are their share of the totals. CODA's graphs and the
+`prefill_capture_s` and `prefill_capture_mib` are their share of the totals. Mixed passes (prompt
+chunks riding slot rows) run as graph pieces around eager attention (rlt_worker/piecewise_graphs.py,
+`capture_pieces`), captured next in the same pool. CODA's graphs and the
 exit tests' (per rows bucket only) are captured last, in the same pool. Device-refill passes
 (rlt_worker/device_refill.py: a pass with its exit test and boundary work, per rows × width × test)
 are not captured at start-up but at first use, in the same pool (`lazy_captures`).
