@@ -1,0 +1,87 @@
+"""Where a closed-loop run's time goes with mixed batches (or without): host Python against GPU work.
+
+    python scripts/profile_mixed.py OUT_DIR [--exit trace] [--mixed | --no-mixed] [--concurrency 32]
+
+On one in-process engine (workers = 0, CUDA defaults, `mixed_batches` as asked): a warm-up run, a
+timed run (tok/s), a run under cProfile (the host's Python by own time and by cumulative time), and
+a window of `--window` engine steps of a further run under torch.profiler: the GPU's busy time and
+idle gaps over that window (profile_ouro_gap's timeline), its kernels and host ops by total time.
+Each run is the benchmark's closed loop (2·c requests, 1,024-token prompts, 128 outputs; trace at
+mean 2.5). Writes OUT_DIR/profile_mixed.json. `--model toy-ouro --device cpu --prompt-len 24
+--output-len 4 --concurrency 4 --skip 2 --window 4` runs the same code on the CPU (a smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from profile_ouro_gap import cprofile_table, kernel_timeline  # scripts/, this script's folder
+from torch.profiler import ProfilerActivity, profile
+
+from rlt_engine.bench.throughput import OURO_THRESHOLD, Workload, closed_loop, make_jobs
+from rlt_engine.llm import LLM
+
+TOP = 25
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out_dir")
+    p.add_argument("--exit", default="trace")
+    p.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--window", type=int, default=60, help="engine steps under torch.profiler")
+    p.add_argument("--skip", type=int, default=100, help="engine steps of that run before the window")
+    p.add_argument("--model", default="synthetic-ouro-1.4b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=128)
+    args = p.parse_args()
+    llm = LLM(args.model, device=args.device, exit_mode=args.exit, workers=0, mixed_batches=args.mixed)
+    engine = llm.engine
+    c = args.concurrency
+    work = Workload(args.output_len, args.exit, engine.config.max_loops or 4,
+                    trace_mean=2.5 if args.exit == "trace" else None,
+                    threshold=OURO_THRESHOLD if args.exit == "ouro" else None)
+    jobs = make_jobs(2 * c, args.prompt_len, engine.model_info.vocab_size, work, seed=7)
+    report: dict = {"exit": args.exit, "mixed": args.mixed, "concurrency": c}
+    for name in ("warm_up", "timed"):
+        run = closed_loop(engine, jobs, c, time.perf_counter() + 60)
+        report[f"{name}_tok_s"] = run.tokens_per_s
+        print(name, f"{run.tokens_per_s:.1f} tok/s", flush=True)
+    for sort in ("tottime", "cumulative"):
+        report[f"cprofile_{sort}"] = cprofile_table(
+            lambda: closed_loop(engine, jobs, c, time.perf_counter() + 120), sort, 40)
+    real_step, steps = engine.step, [0]
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+    def step():  # the window: steps skip … skip + window of the run
+        if steps[0] == args.skip:
+            prof.start()
+        out = real_step()
+        steps[0] += 1
+        if steps[0] == args.skip + args.window:
+            prof.stop()
+        return out
+
+    engine.step = step
+    closed_loop(engine, jobs, c, time.perf_counter() + 120)
+    engine.step = real_step
+    report["window_steps"] = args.window
+    if args.device.startswith("cuda"):
+        report |= kernel_timeline(prof)
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:TOP]
+    report["host_ops"] = [{"name": e.key[:80], "count": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 2)}
+                          for e in ops]
+    report["graph_stats"] = engine.executor._worker.runner.graph_stats
+    llm.close()
+    with open(f"{args.out_dir}/profile_mixed.json", "w") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps({k: v for k, v in report.items() if not k.startswith("cprofile")}, indent=None)[:6000])
+    print(report["cprofile_tottime"][:5000])
+
+
+if __name__ == "__main__":
+    main()
