@@ -33,7 +33,7 @@ from protocol.columns import F64, I32, I64, U64, Columnar
 # 10: WorkerConfig.launch_pdl (the decode pass's Triton kernels with programmatic dependent launch).
 # 11: WorkerConfig.device_refill (gate exits' passes with no readback between them).
 # 12: WorkerReady.prefill_token_buckets (the engine sizes a step's prompt tokens to a captured bucket).
-# 13: WorkerConfig.mixed_graphs (mixed batches' passes from CUDA graph pieces around eager attention).
+# 13: WorkerConfig.mixed_graphs (mixed batches' passes from CUDA graphs).
 PROTOCOL_VERSION = 13
 
 
@@ -106,7 +106,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     exit_tests: tuple[int, ...] = ()
     launch_pdl: bool = False  # the decode pass's Triton kernels with programmatic dependent launch (sm_90+)
     device_refill: bool = False  # gate exits, CODA and refill of greedy rows on the device (needs cuda_graphs)
-    mixed_graphs: bool = False  # mixed batches' passes from graph pieces around eager attention (needs cuda_graphs)
+    mixed_graphs: bool = False  # mixed batches' passes from CUDA graphs, captured at first use (needs cuda_graphs)
 
 
 class WorkerHello(msgspec.Struct, tag=True, array_like=True, kw_only=True):

@@ -34,12 +34,11 @@ themselves: `capture_mib` is the growth of the caching allocator's reserved memo
 `capture_all()` (free device memory would also count other objects of the process being freed). Passes with more
 rows than the largest bucket run eagerly (`eager_passes` counts them). PREFILL chunk passes have graphs
 of their own (rlt_worker/prefill_graphs.py), captured first (they are the largest) in the same pool;
-`prefill_capture_s` and `prefill_capture_mib` are their share of the totals. Mixed passes (prompt
-chunks riding slot rows) run as graph pieces around eager attention (rlt_worker/piecewise_graphs.py,
-`capture_pieces`), captured next in the same pool. CODA's graphs and the
+`prefill_capture_s` and `prefill_capture_mib` are their share of the totals. CODA's graphs and the
 exit tests' (per rows bucket only) are captured last, in the same pool. Device-refill passes
 (rlt_worker/device_refill.py: a pass with its exit test and boundary work, per rows × width × test)
-are not captured at start-up but at first use, in the same pool (`lazy_captures`).
+and mixed passes (rlt_worker/mixed_graphs.py: slot rows with riding prompt chunks, per rows × width ×
+tokens × chunks) are not captured at start-up but at first use, in the same pool (`lazy_captures`).
 
 `emulate=True` (CPU tests) runs the same padded, bucketed, static-buffer function eagerly in
 place of a replay, after the capture's warm-up pointing (what it does to the buffers): everything
@@ -62,7 +61,7 @@ from protocol.messages import ExitTest
 from rlt_worker.coda_graphs import CodaGraphs
 from rlt_worker.device_refill import RefillGraphs
 from rlt_worker.exit_graphs import ExitTestGraphs
-from rlt_worker.piecewise_graphs import PiecewiseGraphs
+from rlt_worker.mixed_graphs import MixedGraphs
 from rlt_worker.prefill_graphs import PrefillGraphs, next_pow2
 
 if TYPE_CHECKING:
@@ -80,7 +79,7 @@ class GraphStats:
 
     replays: int = 0  # passes run from a graph
     eager_passes: int = 0  # decode loop passes that fit no bucket
-    mixed_passes: int = 0  # decode loop passes that prompt chunks rode (mixed batches: from pieces or eager)
+    mixed_passes: int = 0  # decode loop passes that prompt chunks rode (mixed batches; see mixed_replays)
     captures: int = 0
     capture_s: float = 0.0
     startup_captures: int = 0  # captured by capture_all() before serving
@@ -110,12 +109,12 @@ class GraphStats:
     prefill_capture_mib: float = 0.0  # their share of capture_mib (captured first: the pool's growth)
     prefill_buckets: dict[str, int] = field(default_factory=dict)  # "tokens x chunks" → batches
     prefill_error: str | None = None  # a prefill capture failed: prefill runs eagerly (the rest keep graphs)
-    piece_replays: int = 0  # loop passes over stacked rows run from graph pieces (rlt_worker/piecewise_graphs.py)
-    piece_eager: int = 0  # such passes run eagerly (more rows than the largest bucket, a failed capture)
-    piece_rows: int = 0  # real rows of the piece replays
-    piece_padded_rows: int = 0  # bucket rows beyond them
-    piece_startup_captures: int = 0  # buckets captured by capture_all() (within startup_captures)
-    piece_error: str | None = None  # a capture in pieces failed: those passes run eagerly (the rest keep graphs)
+    mixed_replays: int = 0  # mixed passes run from a graph (rlt_worker/mixed_graphs.py)
+    mixed_eager: int = 0  # mixed passes run eagerly (no bucket, a failed capture, a graph cap reached)
+    mixed_captures: int = 0  # their graphs, captured at a key's first use (within lazy_captures)
+    mixed_rows: int = 0  # real rows (slot rows and chunk rows) of the replayed mixed passes
+    mixed_padded_rows: int = 0  # bucket rows beyond them
+    mixed_error: str | None = None  # a mixed-pass capture failed: those passes run eagerly (the rest keep graphs)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -136,9 +135,9 @@ class GraphStats:
             "prefill_capture_s": round(self.prefill_capture_s, 3),
             "prefill_capture_mib": round(self.prefill_capture_mib, 1),
             "prefill_buckets": dict(self.prefill_buckets), "prefill_error": self.prefill_error,
-            "piece_replays": self.piece_replays, "piece_eager": self.piece_eager, "piece_rows": self.piece_rows,
-            "piece_padded_rows": self.piece_padded_rows, "piece_startup_captures": self.piece_startup_captures,
-            "piece_error": self.piece_error,
+            "mixed_replays": self.mixed_replays, "mixed_eager": self.mixed_eager,
+            "mixed_captures": self.mixed_captures, "mixed_rows": self.mixed_rows,
+            "mixed_padded_rows": self.mixed_padded_rows, "mixed_error": self.mixed_error,
         }
 
 
@@ -164,7 +163,7 @@ class LoopPassGraphs:
 
     def __init__(
         self, runner: ModelRunner, dummy_slot: int, scratch_block: int, emulate: bool, prefill_tokens: int = 0,
-        exit_tests: tuple[ExitTest, ...] = (), piece_tokens: int = 0,
+        exit_tests: tuple[ExitTest, ...] = (), mixed_tokens: int = 0,
     ) -> None:
         self.runner = runner
         self.emulate = emulate
@@ -183,14 +182,13 @@ class LoopPassGraphs:
         self._graphs: dict[tuple[int, int], Any] = {}
         self._pool: Any = None
         self._stream: torch.cuda.Stream | None = None
-        self._pieces: list[Any] | None = None  # the graphs of a capture in pieces, while it runs
         self.stats = GraphStats()
         # A coda without attention (Ouro) is graphed too; Huginn's reads its coda K/V and stays eager.
         self.coda = CodaGraphs(self) if runner.model.info.num_outer_kv_layers == 0 else None
         # PREFILL chunk passes of up to prefill_tokens rows (0: prefill runs eagerly).
         self.prefill = PrefillGraphs(self, prefill_tokens) if prefill_tokens else None
-        # Passes over stacked rows of up to piece_tokens rows (mixed batches) in pieces (0: they run eagerly).
-        self.pieces = PiecewiseGraphs(self, piece_tokens) if piece_tokens else None
+        # Mixed passes (slot rows and riding chunks of up to mixed_tokens rows), captured at first use.
+        self.mixed = MixedGraphs(self, mixed_tokens) if mixed_tokens else None
         # DecodeBatch exit tests after a replayed pass; `exit_tests` are captured at start-up.
         self.exits = ExitTestGraphs(self, exit_tests)
         # DecodeBatches with exits and refill on the device (Ouro's coda: no attention), captured at first use.
@@ -214,10 +212,6 @@ class LoopPassGraphs:
             self.stats.prefill_startup_captures += captured
             self.stats.prefill_capture_s = time.perf_counter() - t0
             self.stats.prefill_capture_mib = (self._reserved() - reserved_before) / 2**20
-        if self.pieces is not None:
-            captured = self.pieces.capture_all()
-            self.stats.startup_captures += captured
-            self.stats.piece_startup_captures += captured
         for rows in reversed(self.row_buckets):
             for width in reversed(self.widths()):
                 if (rows, width) not in self._graphs and self.stats.error is None:
@@ -267,13 +261,18 @@ class LoopPassGraphs:
         if graph is None:
             self.stats.eager_passes += 1
             return None
-        rows, _ = key
+        index = self.write_rows(key[0], slots, positions, depths)
+        return StagedPass(graph, key, n, index[:, :n])
+
+    def write_rows(self, rows: int, slots: np.ndarray, positions: np.ndarray, depths: np.ndarray) -> torch.Tensor:
+        """Rows into a rows bucket's static inputs, padded with the dummy slot's (one host→device copy)."""
+        n = len(slots)
         host = np.empty((3, rows), dtype=np.int64)
         host[0, n:], host[1, n:], host[2, n:] = self.dummy_slot, 0, 1
         host[0, :n], host[1, :n], host[2, :n] = slots, positions, depths
         index = self._index[rows]
         self.runner.upload_into(index, host)
-        return StagedPass(graph, key, n, index[:, :n])
+        return index
 
     def graph_for(self, key: tuple[int, int]) -> Any:
         """A (rows, width) bucket's graph, captured now if it is not yet; None after a failed capture."""
@@ -339,47 +338,6 @@ class LoopPassGraphs:
             return _EagerReplay(fn)
         t0 = time.perf_counter()
         warm_up()  # warm-up rows read and write only what no real row owns
-        self._warm_up_runs(fn)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-            fn()
-        self._captured(t0)
-        return graph
-
-    def capture_pieces(self, warm_up: Callable[[], None], fn: Callable[[], None]) -> list[Any]:
-        """The graphs of fn cut wherever it calls next_piece(), after two runs of `warm_up` (fn without
-        the cuts) on the capture stream; emulate: no graph, after one warm-up run (rlt_worker/piecewise_graphs.py)."""
-        if self.emulate:
-            warm_up()
-            self.stats.captures += 1
-            return []
-        t0 = time.perf_counter()
-        self._warm_up_runs(warm_up)
-        torch.cuda.synchronize(self.runner.device)  # as torch.cuda.graph does before a capture
-        self._pieces = []
-        with torch.cuda.stream(self._stream):
-            self._begin_piece()
-            try:
-                fn()
-            finally:
-                self._pieces[-1].capture_end()
-        pieces, self._pieces = self._pieces, None
-        self._captured(t0)
-        return pieces
-
-    def next_piece(self) -> None:
-        """Inside capture_pieces' fn: end the piece being captured and begin the next."""
-        assert self._pieces is not None, "next_piece outside capture_pieces"
-        self._pieces[-1].capture_end()
-        self._begin_piece()
-
-    def _begin_piece(self) -> None:
-        graph = torch.cuda.CUDAGraph()
-        graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-        self._pieces.append(graph)
-
-    def _warm_up_runs(self, fn: Callable[[], None]) -> None:
-        """fn twice on the capture stream (Triton compilation, cuBLAS workspaces), the stream made first."""
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.runner.device)
             self._pool = torch.cuda.graph_pool_handle()
@@ -388,8 +346,10 @@ class LoopPassGraphs:
             for _ in range(2):
                 fn()
         torch.cuda.current_stream().wait_stream(self._stream)
-
-    def _captured(self, t0: float) -> None:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+            fn()
         torch.cuda.synchronize(self.runner.device)
         self.stats.captures += 1
         self.stats.capture_s += time.perf_counter() - t0
+        return graph

@@ -57,7 +57,7 @@ from rlt_worker.decode_loop import DecodeCursors, DecodeLoop
 from rlt_worker.exit_graphs import EagerExitStep, make_exit_step
 from rlt_worker.kernels.launch import PLAIN, KernelLaunch
 from rlt_worker.kv_storage import LAST_EXITED, KVStorage
-from rlt_worker.models.base import AttentionContext, LoopedModel
+from rlt_worker.models.base import LoopedModel
 from rlt_worker.paged_context import PagedContext, PagedPlaneView, PrefillChunks
 from rlt_worker.philox import truncated_normal
 from rlt_worker.prefill_rows import DeviceChunks, HostChunks, PrefillRows
@@ -92,7 +92,7 @@ class RunnerConfig:
     exit_tests: tuple[ExitTest, ...] = ()  # the DecodeBatch exit tests whose graphs are captured with the passes'
     kernel_launch: KernelLaunch = PLAIN  # how the attention backend's Triton kernels launch (PDL or not)
     device_refill: bool = False  # gate exits' passes with no readback between them (rlt_worker/device_refill.py)
-    mixed_graphs: bool = False  # mixed passes from graph pieces around eager attention (rlt_worker/piecewise_graphs.py)
+    mixed_graphs: bool = False  # mixed passes from CUDA graphs captured at first use (rlt_worker/mixed_graphs.py)
 
 
 @dataclass(frozen=True)
@@ -177,8 +177,8 @@ class ModelRunner:
 
     def use_pass_graphs(self, emulate: bool, prefill: bool | None = None, mixed: bool | None = None) -> None:
         """Run decode loop passes through LoopPassGraphs (emulate: eagerly, CPU tests), PREFILL chunk
-        passes too when `prefill`, and mixed passes in pieces when `mixed` (defaults: the config's
-        prefill_graphs and mixed_graphs)."""
+        passes too when `prefill`, and mixed passes when `mixed` (defaults: the config's prefill_graphs
+        and mixed_graphs)."""
         config = self.config
         if config.scratch_block < 0:
             raise ValueError("graph-captured passes need a scratch KV block (RunnerConfig.scratch_block)")
@@ -189,7 +189,7 @@ class ModelRunner:
         self._graphs = LoopPassGraphs(self, self.dummy_slot, config.scratch_block, emulate,
                                       prefill_tokens=config.max_batch_tokens if prefill else 0,
                                       exit_tests=config.exit_tests,
-                                      piece_tokens=config.max_batch_tokens if mixed else 0)
+                                      mixed_tokens=config.max_batch_tokens if mixed else 0)
 
     def capture_pass_graphs(self) -> None:
         """Capture every graph bucket now: prefill, decode pass, CODA, exit test (see LoopPassGraphs.capture_all)."""
@@ -536,7 +536,7 @@ class ModelRunner:
         staged = None
         if self._graphs is not None:
             if self.has_riding_loops:
-                self._graphs.stats.mixed_passes += 1  # a decode graph holds fixed rows: loop_rows runs it
+                self._graphs.stats.mixed_passes += 1  # a decode graph holds fixed rows: a mixed graph runs it
             else:
                 staged = self._graphs.stage(row_slots, host_positions, depths)
         if staged is None:
@@ -549,7 +549,8 @@ class ModelRunner:
         columns: PassColumns | None = None,
     ) -> None:
         """One loop of each row at its own depth (a graph replay when one fits), with the plan's riding
-        prompt chunks' next loop when they have one left (mixed batches: one pass over both, loop_rows);
+        prompt chunks' next loop when they have one left (mixed batches: one pass over both, from a mixed
+        graph when one takes them);
         `columns`: the rows already on the device (pass_columns)."""
         riding = self._riding if self.has_riding_loops else None
         if self.pass_listener is not None:
@@ -560,6 +561,9 @@ class ModelRunner:
             assert self._graphs is not None
             self._graphs.replay(columns.staged)
             return
+        mixed = None if riding is None or self._graphs is None else self._graphs.mixed
+        if mixed is not None and mixed.run(row_slots, host_positions, depths, riding):
+            return
         slots, positions = columns.slots, columns.positions
         context = self.context(slots, positions, columns.depths, width)
         state, embedded = self.state[slots], self.embedded[slots]
@@ -567,14 +571,6 @@ class ModelRunner:
             self.state[slots] = self.model.loop(state, embedded, positions, context)
         else:
             self.state[slots] = riding.ride(state, embedded, positions, context)
-
-    def loop_rows(self, state: torch.Tensor, embedded: torch.Tensor, positions: torch.Tensor,
-                  context: AttentionContext) -> torch.Tensor:
-        """model.loop over rows that no decode or prefill graph holds (a mixed pass, a riding chunk's
-        loops left): replayed in pieces around eager attention when a bucket holds them, else eager."""
-        pieces = None if self._graphs is None else self._graphs.pieces
-        out = None if pieces is None else pieces.loop(state, embedded, positions, context)
-        return self.model.loop(state, embedded, positions, context) if out is None else out
 
     def _report_pass(self, row_slots: np.ndarray, host_positions: np.ndarray, depths: np.ndarray,
                      riding: PrefillRows | None) -> None:

@@ -63,11 +63,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from rlt_worker.paged_context import PrefillChunks
+from rlt_worker.paged_context import PagedContext, PrefillChunks
 from rlt_worker.prefill_rows import DeviceChunks, HostChunks, PrefillRows
 
 if TYPE_CHECKING:
     from rlt_worker.cuda_graphs import LoopPassGraphs
+    from rlt_worker.model_runner import ModelRunner
 
 log = logging.getLogger("rlt.worker")
 
@@ -162,6 +163,36 @@ class StaticChunks:
     embedded: torch.Tensor  # [T, hidden]
 
 
+class ChunkBuffers:
+    """The static chunk buffers of every (tokens, chunks) bucket up to the largest: one metadata buffer,
+    the state and the embedded rows, each bucket a view of their start (fixed addresses)."""
+
+    def __init__(self, runner: ModelRunner, tokens: int, chunks: int) -> None:
+        self.runner = runner
+        device, hidden = runner.device, runner.state.shape[1]
+        self._metadata = torch.zeros(3 * tokens + 4 * chunks + 5, dtype=torch.long, device=device)
+        self._state = torch.zeros(tokens, hidden, dtype=runner.state.dtype, device=device)
+        self._embedded = torch.zeros_like(self._state)
+        self._static: dict[tuple[int, int], StaticChunks] = {}
+
+    def views(self, key: tuple[int, int]) -> StaticChunks:
+        """The bucket's views of the static buffers, in PrefillLayout.packed() order."""
+        if key not in self._static:
+            tokens, chunks = key
+            sizes = [tokens] * 3 + [chunks + 1] * 3 + [chunks + 2]
+            metadata = self._metadata[: sum(sizes)]
+            fields = torch.split(metadata, sizes)
+            self._static[key] = StaticChunks(*fields, metadata=metadata, state=self._state[:tokens],
+                                             embedded=self._embedded[:tokens])
+        return self._static[key]
+
+    def upload(self, key: tuple[int, int], layout: PrefillLayout) -> StaticChunks:
+        """Write a layout into the bucket's static metadata (one host→device copy); its views."""
+        static = self.views(key)
+        self.runner.upload_into(static.metadata, layout.packed())
+        return static
+
+
 class PrefillGraphs:
     """Captures and replays PREFILL chunk loop passes (module docstring); owned by the runner's LoopPassGraphs."""
 
@@ -172,12 +203,7 @@ class PrefillGraphs:
         self.max_slots = runner.config.max_slots
         self.token_buckets = token_buckets(max_tokens, runner.model.info.max_model_len)
         tokens = self.token_buckets[-1]
-        chunks = chunk_buckets(tokens, self.max_slots)[-1]
-        device, hidden = runner.device, runner.state.shape[1]
-        self._metadata = torch.zeros(3 * tokens + 4 * chunks + 5, dtype=torch.long, device=device)
-        self._state = torch.zeros(tokens, hidden, dtype=runner.state.dtype, device=device)
-        self._embedded = torch.zeros_like(self._state)
-        self._static: dict[tuple[int, int], StaticChunks] = {}
+        self.buffers = ChunkBuffers(runner, tokens, chunk_buckets(tokens, self.max_slots)[-1])
         self._graphs: dict[tuple[int, int], Any] = {}
         self.error: str | None = None  # a capture failed: every later prefill runs eagerly
 
@@ -203,7 +229,7 @@ class PrefillGraphs:
             stats.prefill_eager += depth
             return False
         stats.lazy_captures += lazy
-        static = self._upload(key, pad_chunks(chunks, *key, self.passes.dummy_slot))
+        static = self.buffers.upload(key, pad_chunks(chunks, *key, self.passes.dummy_slot))
         n, s = chunks.num_rows, len(chunks.slots)
         cu = static.cu_query_lens[: s + 1]
         kernel = PrefillChunks(cu, static.start_positions[:s], static.table_rows[:n], chunks.max_query_len)
@@ -237,31 +263,20 @@ class PrefillGraphs:
                 self.error = self.passes.stats.prefill_error = f"{type(exc).__name__}: {exc}"
         return self._graphs.get(key)
 
-    def _views(self, key: tuple[int, int]) -> StaticChunks:
-        """The bucket's views of the static buffers, in PrefillLayout.packed() order."""
-        if key not in self._static:
-            tokens, chunks = key
-            sizes = [tokens] * 3 + [chunks + 1] * 3 + [chunks + 2]
-            metadata = self._metadata[: sum(sizes)]
-            fields = torch.split(metadata, sizes)
-            self._static[key] = StaticChunks(*fields, metadata=metadata, state=self._state[:tokens],
-                                             embedded=self._embedded[:tokens])
-        return self._static[key]
-
-    def _upload(self, key: tuple[int, int], layout: PrefillLayout) -> StaticChunks:
-        """Write a layout into the bucket's static metadata (one host→device copy); its views."""
-        static = self._views(key)
-        self.runner.upload_into(static.metadata, layout.packed())
-        return static
-
     def _warm_up(self, key: tuple[int, int]) -> None:
         """Point the bucket at padding rows only (the dummy slot and the scratch block)."""
-        self._upload(key, pad_chunks(HostChunks.empty(), *key, self.passes.dummy_slot))
+        self.buffers.upload(key, pad_chunks(HostChunks.empty(), *key, self.passes.dummy_slot))
 
     def _pass(self, key: tuple[int, int]) -> None:
         """The captured function: one loop pass of the bucket's static rows at its static depths."""
-        runner, static = self.runner, self._views(key)
-        chunks = PrefillChunks(static.cu_query_lens, static.start_positions, static.table_rows, max_query_len=key[0])
-        context = runner.context(static.slots, static.positions, static.depths, runner.block_tables.shape[2],
-                                 outer=False, chunks=chunks)
-        static.state.copy_(runner.model.loop(static.state, static.embedded, static.positions, context))
+        static = self.buffers.views(key)
+        static.state.copy_(self.runner.model.loop(static.state, static.embedded, static.positions,
+                                                  chunk_context(self.runner, static, key[0])))
+
+
+def chunk_context(runner: ModelRunner, static: StaticChunks, tokens: int) -> PagedContext:
+    """The loop-plane context of a bucket's static chunks, at their static depths (the prefill kernel's
+    grid sized by the bucket's `tokens`)."""
+    chunks = PrefillChunks(static.cu_query_lens, static.start_positions, static.table_rows, max_query_len=tokens)
+    return runner.context(static.slots, static.positions, static.depths, runner.block_tables.shape[2],
+                          outer=False, chunks=chunks)

@@ -6,11 +6,11 @@ beside its slot rows (mixed batches, docs/design.md "Mixed batches").
     state, embedded [N, H]: this plan's only; `depth` loops run so far, the same for every row
     riding pass:   | slot rows (their own depths) | the chunks' rows at loop depth + 1 |
                    one model.loop over both: one GEMM per weight; each part attends through its own
-                   kernel (StackedContext); in graph pieces around eager attention when the runner has
-                   them (runner.loop_rows: rlt_worker/piecewise_graphs.py), else eager
+                   kernel (StackedContext); replayed from a mixed graph when the runner has one
+                   (rlt_worker/mixed_graphs.py), else eager
     finish:        the loops left (all D of a batch that does not ride: a prefill graph's replays
-                   when the caller has them, else through loop_rows), Huginn's coda K/V of every
-                   position, then each chunk's last row's state and injected input go to its slot
+                   when the caller has them, else eager), Huginn's coda K/V of every position, then
+                   each chunk's last row's state and injected input go to its slot
 
 A prompt position reads only its own sequence's K/V (its earlier chunks and itself) and writes only
 its own blocks, and the rows of a pass belong to other requests, so riding changes no value: loop d
@@ -138,12 +138,16 @@ class PrefillRows:
              context: PagedContext) -> torch.Tensor:
         """One loop of the pass's slot rows (state, embedded, positions, context) and of the chunks at
         loop depth + 1, in one model.loop; returns the slot rows' new state."""
-        n, depth = len(state), self.depth + 1
-        stacked = StackedContext([(context, n), (self.context(depth), len(self.state))])
-        out = self.runner.loop_rows(torch.cat([state, self.state]), torch.cat([embedded, self.embedded]),
-                                    torch.cat([positions, self.chunks.positions]), stacked)
-        self.state, self.depth = out[n:], depth
+        n = len(state)
+        stacked = StackedContext([(context, n), (self.context(self.depth + 1), len(self.state))])
+        out = self.runner.model.loop(torch.cat([state, self.state]), torch.cat([embedded, self.embedded]),
+                                     torch.cat([positions, self.chunks.positions]), stacked)
+        self.advance(out[n:])
         return out[:n]
+
+    def advance(self, state: torch.Tensor) -> None:
+        """The chunks' state after their next loop, run by a pass they rode (eagerly, or a mixed graph)."""
+        self.state, self.depth = state, self.depth + 1
 
     def finish(self, graph_loops: GraphLoops | None = None) -> None:
         """The loops no pass ran (`graph_loops`: all D of them, replayed from a prefill graph; only for
@@ -155,8 +159,7 @@ class PrefillRows:
             self.state, self.depth = graph_loops(self.state, self.embedded), self.runner.config.max_depth
         while self.num_loops_left:
             self.depth += 1
-            self.state = self.runner.loop_rows(self.state, self.embedded, self.chunks.positions,
-                                               self.context(self.depth))
+            self.state = model.loop(self.state, self.embedded, self.chunks.positions, self.context(self.depth))
         if model.info.num_outer_kv_layers:  # Huginn: coda K/V of every prompt position
             model.coda(self.state, self.chunks.positions, self.context(None))
         last = self.chunks.cu_query_lens[1:] - 1  # each chunk's last row

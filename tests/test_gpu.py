@@ -411,9 +411,9 @@ def test_ouro_1_4b_float32_mixed_batches_equal_torch(mode: str, layout: str) -> 
     # ouro's greedy rows decode in device-refill plans (their own graphs, not counted in replays)
     assert stats is not None and stats["mixed_passes"] > 0, stats
     assert stats["replays"] + stats["device_refill_plans"] > 0 and stats["prefill_replays"] > 0, stats
-    # every mixed pass in graph pieces (rlt_worker/piecewise_graphs.py), captured at start-up
-    assert stats["piece_replays"] >= stats["mixed_passes"] and stats["piece_eager"] == 0, stats
-    assert stats["piece_startup_captures"] == 4 and stats["lazy_captures"] == stats["refill_captures"], stats
+    # every mixed pass from a mixed graph (rlt_worker/mixed_graphs.py), captured at its first use
+    assert stats["mixed_replays"] == stats["mixed_passes"] and stats["mixed_eager"] == 0, stats
+    assert stats["lazy_captures"] == stats["refill_captures"] + stats["mixed_captures"] > 0, stats
 
 
 @pytest.mark.parametrize("mode", ["trace", "ouro"])

@@ -242,25 +242,25 @@ def test_prefix_caching_with_mixed_batches(model, layout):
     assert riding_plans(cached.plans) and shared_passes(cached)
 
 
-@pytest.mark.parametrize("pieces", [False, True], ids=["eager", "pieces"])
-def test_emulated_pass_graphs_with_mixed_batches(pieces: bool):
-    """Passes without chunks replay their graphs; a pass with riding chunks runs in graph pieces around
-    eager attention (rlt_worker/piecewise_graphs.py), or eagerly without them, and is counted; the
-    outputs are the reference's."""
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "mixed-graphs"])
+def test_emulated_pass_graphs_with_mixed_batches(graphed: bool):
+    """Passes without chunks replay their graphs; a pass with riding chunks replays a mixed graph
+    (rlt_worker/mixed_graphs.py: slot rows and chunk rows padded to their buckets), or runs eagerly
+    without them, and is counted; the outputs are the reference's."""
     jobs = jobs_for("toy-ouro", "trace")
     with make_llm("toy-ouro", exit_mode="trace", max_num_seqs=4, prefill_chunk_size=8, mixed_batches=True,
                   loops_per_plan=4, max_num_batched_tokens=24) as llm:
         runner = llm.engine.executor._worker.runner
-        runner.use_pass_graphs(emulate=True, mixed=pieces)
+        runner.use_pass_graphs(emulate=True, mixed=graphed)
         run = run_workload(llm, jobs)
         stats = runner.graph_stats
     assert_matches_reference(run, "toy-ouro", kv_layout="last_exited", exit_mode="trace")
     assert stats["replays"] > 0 and stats["mixed_passes"] == shared_passes(run) > 0 and stats["eager_passes"] == 0
-    if pieces:  # every mixed pass, and every riding chunk's loops left, from a bucket of 16 or 24 rows
-        assert stats["piece_replays"] >= stats["mixed_passes"] and stats["piece_eager"] == 0, stats
-        assert stats["piece_padded_rows"] > 0, stats
+    if graphed:
+        assert stats["mixed_replays"] == stats["mixed_passes"] and stats["mixed_eager"] == 0, stats
+        assert stats["mixed_padded_rows"] > 0 and stats["mixed_captures"] > 0, stats
     else:
-        assert stats["piece_replays"] == 0, stats
+        assert stats["mixed_replays"] == 0, stats
 
 
 def last_chunk_plans(run: Driver) -> dict[int, int]:
@@ -299,7 +299,7 @@ def test_pipelined_mixed_batches_with_prefill_graphs_equal_synchronous_separate_
     assert finals(piped) == finals(separate)
     assert max(in_flight.values()) == 1, "no plan was built while another was in flight"
     assert stats["prefill_replays"] > 0 and stats["mixed_passes"] == shared_passes(piped) > 0 and stats["replays"] > 0
-    assert stats["piece_replays"] >= stats["mixed_passes"] and stats["piece_eager"] == 0, stats
+    assert stats["mixed_replays"] == stats["mixed_passes"] and stats["mixed_eager"] == 0, stats
     followed = 0
     for key, i in last_chunk_plans(piped).items():
         after = piped.plans[i + 1]
@@ -319,7 +319,7 @@ def test_pipelined_mixed_batches_with_prefill_graphs_equal_synchronous_separate_
 
 
 def _interp_engine_mixed() -> None:
-    """toy-ouro (fused loop, emulated pass graphs and pieces) and toy-huginn with the Triton backend, float64:
+    """toy-ouro (fused loop, emulated pass and mixed graphs) and toy-huginn with the Triton backend, float64:
     mixed batches give the dense reference's tokens and exit depths, chunks through the prefill kernel
     and decode rows through the decode kernel in one pass."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -339,8 +339,8 @@ def _interp_engine_mixed() -> None:
             run = run_workload(llm, jobs)
         assert_matches_reference(run, model, kv_layout="last_exited", exit_mode=mode)
         assert shared_passes(run), model
-        if model == "toy-ouro":  # the mixed passes in pieces, the chunks' attention through the prefill kernel
-            assert runner.graph_stats["piece_replays"] >= shared_passes(run), runner.graph_stats
+        if model == "toy-ouro":  # the mixed passes from mixed graphs: decode and prefill kernels in one
+            assert runner.graph_stats["mixed_replays"] == shared_passes(run), runner.graph_stats
 
 
 INTERP_CASES: dict[str, Callable[[], None]] = {"engine-float64-mixed": _interp_engine_mixed}

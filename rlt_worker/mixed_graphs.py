@@ -1,0 +1,143 @@
+"""Mixed loop passes (slot rows with riding prompt chunks) replayed from CUDA graphs, captured at first use.
+
+A mixed pass (docs/design.md, "Mixed batches") stacks a plan's slot rows (decode or recurrent rows,
+each at its own depth) and the rows of its riding prompt chunks, one loop over both: one GEMM per
+weight, and per layer each part attends through its own kernel (StackedContext). Eagerly that is
+about 280 launches from Python for Ouro-1.4B plus each part's attention launches, more host time
+than GPU time. A graph here holds both parts, each padded as its own kind of graph pads it:
+
+    rows    | slot rows: a decode graph's (rows, width) bucket | chunk rows: a prefill graph's (tokens, chunks) bucket |
+    inputs    that bucket's static index (LoopPassGraphs.write_rows:  this graph family's own static chunk buffers
+              slots, positions, depths; padding: the dummy slot)   (ChunkBuffers: each chunk's own depth;
+                                                                    padding: the padding chunk)
+    captured  the gather of the slot rows' state and injected input, the loop over both parts (the slot rows
+              through the decode kernel, the chunks through the prefill kernel), the scatter of the slot
+              rows' new state and the copy of the chunks' into the static state
+
+So a key is (rows, width, tokens, chunks): the decode graphs' buckets (rlt_worker/cuda_graphs.py) by
+the prefill graphs' (rlt_worker/prefill_graphs.py), thousands in all but few in use (at c = 32, 1,024
+prompt tokens: the slot rows' two or three rows buckets × two widths, against chunks of 512 tokens,
+the size the scheduler's bucket-aligned budget gives them). So each key is captured at its first
+use (`mixed_captures`, within `lazy_captures`), in the pool every graph shares, and at most
+MAX_GRAPHS of them; past that, or with no bucket, or after a failed capture (`mixed_error`), a pass
+runs eagerly (`mixed_eager`).
+
+Exactness as for the two graph kinds it joins: padding rows of either part write K/V only into the
+scratch block and attend only to it, and every other op is row-wise; a pass whose parts fill their
+buckets runs the eager pass's shapes, padding makes the GEMMs taller (which BLAS may round
+differently), and chunks of single positions (SHARED) go through the prefill kernel, where eagerly
+they take the decode kernel (the same attention, rounded differently on the GPU; on the CPU both are
+torch_ref's one definition). `emulate=True` (CPU tests) runs the captured function eagerly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from rlt_worker.paged_context import StackedContext
+from rlt_worker.prefill_graphs import (
+    ChunkBuffers,
+    chunk_buckets,
+    chunk_context,
+    pad_chunks,
+    prefill_bucket,
+    token_buckets,
+)
+from rlt_worker.prefill_rows import HostChunks
+
+if TYPE_CHECKING:
+    from rlt_worker.cuda_graphs import LoopPassGraphs
+    from rlt_worker.prefill_rows import PrefillRows
+
+log = logging.getLogger("rlt.worker")
+
+MAX_GRAPHS = 256  # mixed-pass graphs a worker captures at most (each holds its kernels' launch records)
+
+MixedKey = tuple[int, int, int, int]  # (rows, width) of the slot rows, (tokens, chunks) of the chunk rows
+
+
+class MixedGraphs:
+    """Captures and replays mixed loop passes (module docstring); owned by the runner's LoopPassGraphs,
+    whose pool, stream, slot-row buffers and counters it shares."""
+
+    def __init__(self, passes: LoopPassGraphs, max_tokens: int) -> None:
+        runner = passes.runner
+        self.passes = passes
+        self.runner = runner
+        self.max_slots = runner.config.max_slots
+        self.token_buckets = token_buckets(max_tokens, runner.model.info.max_model_len)
+        tokens = self.token_buckets[-1]
+        self.buffers = ChunkBuffers(runner, tokens, chunk_buckets(tokens, self.max_slots)[-1])
+        self._graphs: dict[MixedKey, Any] = {}
+
+    def run(self, slots: np.ndarray, positions: np.ndarray, depths: np.ndarray, riding: PrefillRows) -> bool:
+        """One loop pass of these slot rows and of the riding chunks' next loop, from a graph (the
+        chunks' state then advanced); False (nothing run) when no graph takes them."""
+        stats, chunks = self.passes.stats, riding.host
+        rows_key = self.passes.bucket(len(slots), int(positions.max()))
+        chunk_key = prefill_bucket(chunks.num_rows, len(chunks.slots), self.token_buckets, self.max_slots)
+        graph = None if rows_key is None or chunk_key is None else self._graph((*rows_key, *chunk_key))
+        if graph is None:
+            stats.mixed_eager += 1
+            return False
+        self.passes.write_rows(rows_key[0], slots, positions, depths)
+        layout = pad_chunks(chunks, *chunk_key, self.passes.dummy_slot)
+        depth = np.full(chunk_key[1] + 1, 1, dtype=np.int64)
+        depth[: len(chunks.slots)] = riding.depth + 1  # the chunks' next loop (padding entries: loop 1)
+        static = self.buffers.upload(chunk_key, dataclasses.replace(layout, depths=depth))
+        n = chunks.num_rows
+        static.state[:n] = riding.state
+        static.embedded[:n] = riding.embedded
+        graph.replay()
+        riding.advance(static.state[:n].clone())  # the next pass overwrites the static state
+        stats.mixed_replays += 1
+        stats.mixed_rows += len(slots) + n
+        stats.mixed_padded_rows += rows_key[0] + chunk_key[0] - len(slots) - n
+        return True
+
+    def _graph(self, key: MixedKey) -> Any:
+        """The key's graph, captured now if it is not yet; None when it cannot be (a failed capture,
+        now or before, or MAX_GRAPHS reached)."""
+        stats = self.passes.stats
+        if key in self._graphs or stats.mixed_error is not None or stats.error is not None:
+            return self._graphs.get(key)
+        if len(self._graphs) >= MAX_GRAPHS:
+            return None
+        try:
+            self._graphs[key] = self.passes._capture(functools.partial(self._pass, key),
+                                                     functools.partial(self._warm_up, key))
+        except Exception as exc:  # keep serving: mixed passes run eagerly from now on
+            log.exception("CUDA graph capture of a mixed pass (%d rows × %d blocks, %d tokens × %d chunks) "
+                          "failed; mixed passes run eagerly", *key)
+            stats.mixed_error = f"{type(exc).__name__}: {exc}"
+            return None
+        stats.lazy_captures += 1
+        stats.mixed_captures += 1
+        return self._graphs[key]
+
+    def _warm_up(self, key: MixedKey) -> None:
+        """Point both parts at padding rows only (the dummy slot and the scratch block)."""
+        rows, _, tokens, chunks = key
+        none = np.zeros(0, dtype=np.int64)
+        self.passes.write_rows(rows, none, none, none)
+        self.buffers.upload((tokens, chunks), pad_chunks(HostChunks.empty(), tokens, chunks, self.passes.dummy_slot))
+
+    def _pass(self, key: MixedKey) -> None:
+        """The captured function: one loop of the key's static slot rows and static chunk rows."""
+        rows, width, tokens, chunks = key
+        runner = self.runner
+        slots, positions, depths = self.passes.static_rows(rows)
+        static = self.buffers.views((tokens, chunks))
+        context = StackedContext([(runner.context(slots, positions, depths, width, outer=False), rows),
+                                  (chunk_context(runner, static, tokens), tokens)])
+        state = runner.model.loop(torch.cat([runner.state[slots], static.state]),
+                                  torch.cat([runner.embedded[slots], static.embedded]),
+                                  torch.cat([positions, static.positions]), context)
+        runner.state.index_copy_(0, slots, state[:rows])
+        static.state.copy_(state[rows:])
