@@ -7,6 +7,7 @@
 #   bash scripts/gpu_grid.sh 2 .bench/grid.json    # workers 1: fixed, trace, ouro, ouro_replay; c = 1, 32
 #   bash scripts/gpu_grid.sh 3 .bench/grid.json    # workers 0 and 1: fixed, trace, ouro; c = 128, and the plot
 #   bash scripts/gpu_grid.sh 4 .bench/grid.json    # workers 0: ouro, ouro_replay; c = 128
+#   bash scripts/gpu_grid.sh 5 .bench/grid.json    # workers 0: trace with mixed batches; c = 32, 128
 #
 # Arguments after the JSON (`-` for part 1) go to rlt-bench last, so they override: e.g. a CPU smoke
 # run, `bash scripts/gpu_grid.sh 1 - --model toy-ouro --device cpu --prompt-len 16 --output-len 4`.
@@ -15,13 +16,13 @@
 # to the tree's commit (the device copy's git HEAD may be stale). Writes $OUT/h200-throughput.json,
 # $OUT/grid-PART.log and, in part 3, $OUT/throughput_h200.png.
 set -euo pipefail
-part=${1:?"usage: gpu_grid.sh PART [JSON|- [RLT-BENCH ARGS...]]  (PART 1-4)"}
+part=${1:?"usage: gpu_grid.sh PART [JSON|- [RLT-BENCH ARGS...]]  (PART 1-5)"}
 from=${2:--}
 shift $(( $# < 2 ? $# : 2 ))
 out=${OUT:-/tmp}
 json=$out/h200-throughput.json
 if [ "$part" != 1 ]; then
-  [ "$from" != - ] || { echo "parts 2-4 resume the JSON an earlier part wrote" >&2; exit 2; }
+  [ "$from" != - ] || { echo "parts 2-5 resume the JSON an earlier part wrote" >&2; exit 2; }
   cp "$from" "$json"
 fi
 bench=(python -m rlt_engine.cli bench throughput --model synthetic-ouro-1.4b --repeats 3 --json "$json"
@@ -32,6 +33,7 @@ case $part in
   3) args=(--workers 0,1 --exit fixed,trace,ouro --concurrency 128 --max-seconds 30 --resume
            --plot "$out/throughput_h200.png") ;;
   4) args=(--workers 0 --exit ouro,ouro_replay --concurrency 128 --max-seconds 30 --resume) ;;
-  *) echo "unknown part $part (1-4)" >&2; exit 2 ;;
+  5) args=(--workers 0 --exit trace_mixed --concurrency 32,128 --max-seconds 30 --resume) ;;
+  *) echo "unknown part $part (1-5)" >&2; exit 2 ;;
 esac
 "${bench[@]}" "${args[@]}" "$@" 2>&1 | tee "$out/grid-$part.log" | grep -E "^\||/ |floor" || true

@@ -386,6 +386,15 @@ def test_profile_steps_script(tmp_path) -> None:
         assert r["burst"]["ttft_p50_ms"] > 0 and sum(new for _, new, _ in r["burst"]["steps"]) == 4
 
 
+def test_profile_mixed_script(tmp_path) -> None:
+    """scripts/profile_mixed.py: a closed loop's tok/s and host profile with mixed batches (toy-ouro, CPU)."""
+    run_script("profile_mixed.py", str(tmp_path), "--model", "toy-ouro", "--device", "cpu", "--prompt-len", "24",
+               "--output-len", "4", "--concurrency", "4", "--skip", "2", "--window", "4", timeout=180)
+    report = json.loads((tmp_path / "profile_mixed.json").read_text())
+    assert report["mixed"] and report["timed_tok_s"] > 0 and report["host_ops"], report.keys()
+    assert "closed_loop" in report["cprofile_cumulative"]
+
+
 def test_recorded_commit_says_when_the_tree_is_not_head(tmp_path: Path) -> None:
     """The bench's commit is HEAD's short hash, with -dirty once a tracked file differs from HEAD (as on
     a device copy whose git HEAD is older than its files); untracked files do not count; no repo: None."""
