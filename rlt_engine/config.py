@@ -106,7 +106,8 @@ class EngineConfig:
                                               "decode tokens (0 = D; at most loops_per_plan)")
     mixed_batches: bool = _opt(False, "prompt chunks ride the loop passes of running decode rows (a chunk's D "
                                       "loops in the plan's first D passes, one pass over both within "
-                                      "max_num_batched_tokens), so a new prompt does not stall decodes")
+                                      "max_num_batched_tokens, from a CUDA graph captured at first use "
+                                      "where graphs are on), so a new prompt does not stall decodes")
     enable_prefix_caching: bool = _opt(True, "share the K/V of full prompt blocks between requests on a worker "
                                              "(keyed by a hash chain of their tokens), kept after their last "
                                              "user finishes and evicted least recently used when blocks run short")

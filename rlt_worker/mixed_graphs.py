@@ -15,9 +15,9 @@ than GPU time. A graph here holds both parts, each padded as its own kind of gra
               rows' new state and the copy of the chunks' into the static state
 
 So a key is (rows, width, tokens, chunks): the decode graphs' buckets (rlt_worker/cuda_graphs.py) by
-the prefill graphs' (rlt_worker/prefill_graphs.py), thousands in all but few in use (at c = 32, 1,024
-prompt tokens: the slot rows' two or three rows buckets × two widths, against chunks of 512 tokens,
-the size the scheduler's bucket-aligned budget gives them). So each key is captured at its first
+the prefill graphs' (rlt_worker/prefill_graphs.py), thousands in all but few in use (the H200
+benchmark with 1,024-token prompts used 4 keys at c = 32 and 12 at c = 128: the scheduler's
+bucket-aligned budget gives chunks a prefill bucket's size). So each key is captured at its first
 use (`mixed_captures`, within `lazy_captures`), in the pool every graph shares, and at most
 MAX_GRAPHS of them; past that, or with no bucket, or after a failed capture (`mixed_error`), a pass
 runs eagerly (`mixed_eager`).
@@ -41,14 +41,7 @@ import numpy as np
 import torch
 
 from rlt_worker.paged_context import StackedContext
-from rlt_worker.prefill_graphs import (
-    ChunkBuffers,
-    chunk_buckets,
-    chunk_context,
-    pad_chunks,
-    prefill_bucket,
-    token_buckets,
-)
+from rlt_worker.prefill_graphs import ChunkBuffers, chunk_context, pad_chunks
 from rlt_worker.prefill_rows import HostChunks
 
 if TYPE_CHECKING:
@@ -70,10 +63,7 @@ class MixedGraphs:
         runner = passes.runner
         self.passes = passes
         self.runner = runner
-        self.max_slots = runner.config.max_slots
-        self.token_buckets = token_buckets(max_tokens, runner.model.info.max_model_len)
-        tokens = self.token_buckets[-1]
-        self.buffers = ChunkBuffers(runner, tokens, chunk_buckets(tokens, self.max_slots)[-1])
+        self.buffers = ChunkBuffers(runner, max_tokens)
         self._graphs: dict[MixedKey, Any] = {}
 
     def run(self, slots: np.ndarray, positions: np.ndarray, depths: np.ndarray, riding: PrefillRows) -> bool:
@@ -81,7 +71,7 @@ class MixedGraphs:
         chunks' state then advanced); False (nothing run) when no graph takes them."""
         stats, chunks = self.passes.stats, riding.host
         rows_key = self.passes.bucket(len(slots), int(positions.max()))
-        chunk_key = prefill_bucket(chunks.num_rows, len(chunks.slots), self.token_buckets, self.max_slots)
+        chunk_key = self.buffers.bucket(chunks)
         graph = None if rows_key is None or chunk_key is None else self._graph((*rows_key, *chunk_key))
         if graph is None:
             stats.mixed_eager += 1

@@ -164,16 +164,29 @@ class StaticChunks:
 
 
 class ChunkBuffers:
-    """The static chunk buffers of every (tokens, chunks) bucket up to the largest: one metadata buffer,
-    the state and the embedded rows, each bucket a view of their start (fixed addresses)."""
+    """The (tokens, chunks) buckets of batches of up to `max_tokens` rows, and their static chunk
+    buffers: one metadata buffer, the state and the embedded rows, each bucket a view of their start
+    (fixed addresses)."""
 
-    def __init__(self, runner: ModelRunner, tokens: int, chunks: int) -> None:
+    def __init__(self, runner: ModelRunner, max_tokens: int) -> None:
         self.runner = runner
+        self.max_slots = runner.config.max_slots
+        self.token_buckets = token_buckets(max_tokens, runner.model.info.max_model_len)
+        tokens = self.token_buckets[-1]
+        chunks = chunk_buckets(tokens, self.max_slots)[-1]
         device, hidden = runner.device, runner.state.shape[1]
         self._metadata = torch.zeros(3 * tokens + 4 * chunks + 5, dtype=torch.long, device=device)
         self._state = torch.zeros(tokens, hidden, dtype=runner.state.dtype, device=device)
         self._embedded = torch.zeros_like(self._state)
         self._static: dict[tuple[int, int], StaticChunks] = {}
+
+    def keys(self) -> list[tuple[int, int]]:
+        """Every (tokens, chunks) bucket, largest first."""
+        return [(t, s) for t in reversed(self.token_buckets) for s in reversed(chunk_buckets(t, self.max_slots))]
+
+    def bucket(self, chunks: HostChunks) -> tuple[int, int] | None:
+        """The (tokens, chunks) bucket of these chunks, or None when they have more tokens than the largest."""
+        return prefill_bucket(chunks.num_rows, len(chunks.slots), self.token_buckets, self.max_slots)
 
     def views(self, key: tuple[int, int]) -> StaticChunks:
         """The bucket's views of the static buffers, in PrefillLayout.packed() order."""
@@ -200,26 +213,20 @@ class PrefillGraphs:
         runner = passes.runner
         self.passes = passes
         self.runner = runner
-        self.max_slots = runner.config.max_slots
-        self.token_buckets = token_buckets(max_tokens, runner.model.info.max_model_len)
-        tokens = self.token_buckets[-1]
-        self.buffers = ChunkBuffers(runner, tokens, chunk_buckets(tokens, self.max_slots)[-1])
+        self.buffers = ChunkBuffers(runner, max_tokens)
+        self.token_buckets = self.buffers.token_buckets
         self._graphs: dict[tuple[int, int], Any] = {}
         self.error: str | None = None  # a capture failed: every later prefill runs eagerly
 
-    def keys(self) -> list[tuple[int, int]]:
-        """Every (tokens, chunks) bucket, largest first."""
-        return [(t, s) for t in reversed(self.token_buckets) for s in reversed(chunk_buckets(t, self.max_slots))]
-
     def capture_all(self) -> int:
         """Capture every bucket not captured yet, largest first; the number captured."""
-        return sum(self._graph(key) is not None for key in self.keys() if key not in self._graphs)
+        return sum(self._graph(key) is not None for key in self.buffers.keys() if key not in self._graphs)
 
     def run(self, chunks: HostChunks) -> bool:
         """PREFILL of these chunks with their D loop passes replayed from a graph; False (nothing run)
         when no bucket takes them (then the runner runs them eagerly)."""
         stats, depth = self.passes.stats, self.runner.config.max_depth
-        key = prefill_bucket(chunks.num_rows, len(chunks.slots), self.token_buckets, self.max_slots)
+        key = self.buffers.bucket(chunks)
         if key is None:
             stats.prefill_eager += depth
             return False
