@@ -32,7 +32,6 @@ torch_ref's one definition). `emulate=True` (CPU tests) runs the captured functi
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from typing import TYPE_CHECKING, Any
@@ -77,10 +76,8 @@ class MixedGraphs:
             stats.mixed_eager += 1
             return False
         self.passes.write_rows(rows_key[0], slots, positions, depths)
-        layout = pad_chunks(chunks, *chunk_key, self.passes.dummy_slot)
-        depth = np.full(chunk_key[1] + 1, 1, dtype=np.int64)
-        depth[: len(chunks.slots)] = riding.depth + 1  # the chunks' next loop (padding entries: loop 1)
-        static = self.buffers.upload(chunk_key, dataclasses.replace(layout, depths=depth))
+        layout = pad_chunks(chunks, *chunk_key, self.passes.dummy_slot, depth=riding.depth + 1)  # their next loop
+        static = self.buffers.upload(chunk_key, layout)
         n = chunks.num_rows
         static.state[:n] = riding.state
         static.embedded[:n] = riding.embedded

@@ -126,8 +126,10 @@ class PrefillLayout:
                                self.depths, self.cu_query_lens]).astype(np.int64)
 
 
-def pad_chunks(chunks: HostChunks, tokens: int, num_chunks: int, dummy_slot: int) -> PrefillLayout:
-    """The layout of `chunks` in bucket (tokens, num_chunks): real rows first, then the padding chunk."""
+def pad_chunks(chunks: HostChunks, tokens: int, num_chunks: int, dummy_slot: int, depth: int = 1) -> PrefillLayout:
+    """The layout of `chunks` in bucket (tokens, num_chunks): real rows first, then the padding chunk;
+    the real chunks at loop `depth`, the other entries at loop 1 (a prefill graph rewrites every depth
+    before each replay, a mixed graph reads them as laid out)."""
     n, s = chunks.num_rows, len(chunks.slots)
     if n > tokens or s > num_chunks:
         raise ValueError(f"{s} chunks of {n} rows do not fit the bucket of {num_chunks} chunks, {tokens} tokens")
@@ -142,7 +144,7 @@ def pad_chunks(chunks: HostChunks, tokens: int, num_chunks: int, dummy_slot: int
         token_ids=np.concatenate([chunks.token_ids, np.zeros(pad)]).astype(np.int64),
         slots=entries(chunks.slots, dummy_slot),
         start_positions=entries(chunks.start_positions, 0),
-        depths=np.ones(num_chunks + 1, dtype=np.int64),
+        depths=entries(np.full(s, depth), 1),
         cu_query_lens=np.concatenate([chunks.cu_query_lens(), np.full(num_chunks - s, n), [tokens]]).astype(np.int64),
     )
 
@@ -214,9 +216,12 @@ class PrefillGraphs:
         self.passes = passes
         self.runner = runner
         self.buffers = ChunkBuffers(runner, max_tokens)
-        self.token_buckets = self.buffers.token_buckets
         self._graphs: dict[tuple[int, int], Any] = {}
         self.error: str | None = None  # a capture failed: every later prefill runs eagerly
+
+    @property
+    def token_buckets(self) -> tuple[int, ...]:
+        return self.buffers.token_buckets
 
     def capture_all(self) -> int:
         """Capture every bucket not captured yet, largest first; the number captured."""

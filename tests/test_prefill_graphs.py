@@ -71,6 +71,7 @@ def test_pad_chunks_layout() -> None:
     assert layout.start_positions.tolist() == [5, 0, 0, 0, 0]
     assert layout.cu_query_lens.tolist() == [0, 3, 5, 5, 5, 8]
     assert layout.depths.tolist() == [1] * 5
+    assert pad_chunks(chunks, 8, 4, dummy_slot=9, depth=3).depths.tolist() == [3, 3, 1, 1, 1]  # a mixed graph's
     assert len(layout.packed()) == 3 * 8 + 3 * 5 + 6
     warm_up = pad_chunks(HostChunks.empty(), 8, 4, dummy_slot=9)  # padding rows only
     assert warm_up.positions.tolist() == list(range(8)) and set(warm_up.table_rows.tolist()) == {4}
