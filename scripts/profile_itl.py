@@ -12,10 +12,10 @@ Python's garbage collections timed by generation (gc.callbacks), and the runner'
 counted per step. Then, for the gaps at or above
 the ITL p99 and for typical ones (p40 … p60), what the steps ending inside them held, on average.
 
-Variants (one engine per `mixed_batches` setting, each variant a warm-up run and a timed run):
-`plain` (the defaults), `gc_frozen` (gc.freeze() after the warm-up, so a collection does not walk
-the objects the engine and the model hold since start-up), `mixed` and `mixed_gc_frozen`
-(--mixed-batches). Writes OUT_DIR/profile_itl.json. `--model toy-ouro --device cpu --prompt-len 24
+Variants, on one engine (`--mixed`: with mixed batches), each a warm-up run and a timed run, both
+from an empty prefix cache: `plain`, and `gc_frozen` (gc.freeze() after the warm-up, so that a
+collection does not walk the objects the engine and the model hold since start-up). Writes
+OUT_DIR/profile_itl.json. `--model toy-ouro --device cpu --prompt-len 24
 --output-len 6 --concurrency 4` runs the same code on the CPU (a smoke test).
 """
 
@@ -30,10 +30,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from protocol.messages import DecodeBatch, ExecutionPlan, PrefillBatch, RecurrentBatch
-from rlt_engine.bench.throughput import OURO_THRESHOLD, Workload, _percentile, closed_loop, make_jobs
+from rlt_engine.bench.throughput import OURO_THRESHOLD, Workload, _percentile, cold_closed_loop, make_jobs
 from rlt_engine.llm import LLM
 
-VARIANTS = ("plain", "gc_frozen", "mixed", "mixed_gc_frozen")
+VARIANTS = ("plain", "gc_frozen")
 
 
 @dataclass
@@ -178,12 +178,12 @@ def step_table(steps: list[Step]) -> dict:
 
 
 def run_variant(engine, recorder: StepRecorder, jobs, c: int, frozen: bool, seconds: float) -> dict:
-    closed_loop(engine, jobs, c, time.perf_counter() + seconds)  # warm-up
+    cold_closed_loop(engine, jobs, c, time.perf_counter() + seconds)  # warm-up
     if frozen:
         gc.collect()
         gc.freeze()
     recorder.record()
-    run = closed_loop(engine, jobs, c, time.perf_counter() + seconds)
+    run = cold_closed_loop(engine, jobs, c, time.perf_counter() + seconds)
     recorder.stop()
     if frozen:
         gc.unfreeze()
@@ -207,6 +207,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out_dir")
     p.add_argument("--exit", default="trace")
+    p.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=False, help="--mixed-batches")
     p.add_argument("--variants", default="plain,gc_frozen", help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--seconds", type=float, default=60.0, help="deadline of each run")
@@ -218,29 +219,25 @@ def main() -> None:
     variants = args.variants.split(",")
     if unknown := set(variants) - set(VARIANTS):
         p.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
-    report: dict = {"exit": args.exit, "concurrency": args.concurrency, "variants": {}}
-    for mixed in (False, True):
-        mine = [v for v in variants if v.startswith("mixed") == mixed]
-        if not mine:
-            continue
-        llm = LLM(args.model, device=args.device, exit_mode=args.exit, workers=0, mixed_batches=mixed)
-        engine = llm.engine
-        work = Workload(args.output_len, args.exit, engine.config.max_loops or 4,
-                        trace_mean=2.5 if args.exit == "trace" else None,
-                        threshold=OURO_THRESHOLD if args.exit == "ouro" else None)
-        jobs = make_jobs(2 * args.concurrency, args.prompt_len, engine.model_info.vocab_size, work, seed=7)
-        recorder = StepRecorder(engine)
-        try:
-            for variant in mine:
-                result = run_variant(engine, recorder, jobs, args.concurrency, variant.endswith("gc_frozen"),
-                                     args.seconds)
-                report["variants"][variant] = result
-                print(variant, json.dumps({k: result[k] for k in ("tok_s", "itl_p50_ms", "itl_p99_ms")}), flush=True)
-                print("  slow gaps:", json.dumps(result["slow_gaps"]), flush=True)
-                print("  typical gaps:", json.dumps(result["typical_gaps"]), flush=True)
-        finally:
-            recorder.close()
-            llm.close()
+    c = args.concurrency
+    report: dict = {"exit": args.exit, "mixed": args.mixed, "concurrency": c, "variants": {}}
+    llm = LLM(args.model, device=args.device, exit_mode=args.exit, workers=0, mixed_batches=args.mixed)
+    engine = llm.engine
+    work = Workload(args.output_len, args.exit, engine.config.max_loops or 4,
+                    trace_mean=2.5 if args.exit == "trace" else None,
+                    threshold=OURO_THRESHOLD if args.exit == "ouro" else None)
+    jobs = make_jobs(2 * c, args.prompt_len, engine.model_info.vocab_size, work, seed=7)
+    recorder = StepRecorder(engine)
+    try:
+        for variant in variants:
+            result = run_variant(engine, recorder, jobs, c, variant == "gc_frozen", args.seconds)
+            report["variants"][variant] = result
+            print(variant, json.dumps({k: result[k] for k in ("tok_s", "itl_p50_ms", "itl_p99_ms")}), flush=True)
+            print("  slow gaps:", json.dumps(result["slow_gaps"]), flush=True)
+            print("  typical gaps:", json.dumps(result["typical_gaps"]), flush=True)
+    finally:
+        recorder.close()
+        llm.close()
     with open(f"{args.out_dir}/profile_itl.json", "w") as f:
         json.dump(report, f, indent=1)
 

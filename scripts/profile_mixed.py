@@ -20,7 +20,7 @@ import time
 from profile_ouro_gap import cprofile_table, kernel_timeline  # scripts/, this script's folder
 from torch.profiler import ProfilerActivity, profile
 
-from rlt_engine.bench.throughput import OURO_THRESHOLD, Workload, closed_loop, make_jobs
+from rlt_engine.bench.throughput import OURO_THRESHOLD, Workload, cold_closed_loop, make_jobs
 from rlt_engine.llm import LLM
 
 TOP = 25
@@ -48,12 +48,12 @@ def main() -> None:
     jobs = make_jobs(2 * c, args.prompt_len, engine.model_info.vocab_size, work, seed=7)
     report: dict = {"exit": args.exit, "mixed": args.mixed, "concurrency": c}
     for name in ("warm_up", "timed"):
-        run = closed_loop(engine, jobs, c, time.perf_counter() + 60)
+        run = cold_closed_loop(engine, jobs, c, time.perf_counter() + 60)
         report[f"{name}_tok_s"] = run.tokens_per_s
         print(name, f"{run.tokens_per_s:.1f} tok/s", flush=True)
     for sort in ("tottime", "cumulative"):
         report[f"cprofile_{sort}"] = cprofile_table(
-            lambda: closed_loop(engine, jobs, c, time.perf_counter() + 120), sort, 40)
+            lambda: cold_closed_loop(engine, jobs, c, time.perf_counter() + 120), sort, 40)
     real_step, steps = engine.step, [0]
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
 
@@ -67,7 +67,7 @@ def main() -> None:
         return out
 
     engine.step = step
-    closed_loop(engine, jobs, c, time.perf_counter() + 120)
+    cold_closed_loop(engine, jobs, c, time.perf_counter() + 120)
     engine.step = real_step
     report["window_steps"] = args.window
     if args.device.startswith("cuda"):

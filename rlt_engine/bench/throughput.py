@@ -379,6 +379,13 @@ def closed_loop(engine: Any, jobs: Sequence[Job], concurrency: int, deadline: fl
     return result
 
 
+def cold_closed_loop(engine: Any, jobs: Sequence[Job], concurrency: int, deadline: float) -> RunResult:
+    """closed_loop from an empty prefix cache, so that hits come from the run's own requests only
+    (jobs that repeat an earlier run's prompts would find them cached)."""
+    engine.reset_prefix_cache()
+    return closed_loop(engine, jobs, concurrency, deadline)
+
+
 def _drain(engine: Any) -> None:
     """Let aborted requests' slots and plans settle so the next run starts from an idle engine."""
     for _ in range(1000):
@@ -648,9 +655,8 @@ class Grid:
                     break
                 jobs = make_jobs(a.requests_factor * c, a.prompt_len, engine.model_info.vocab_size,
                                  self._timed_workload(workers, exit_mode, c), a.seed + c)
-                engine.reset_prefix_cache()  # every run starts cold: hits come from its own requests only
                 before = engine.health()
-                run = closed_loop(engine, jobs, c, deadline)
+                run = cold_closed_loop(engine, jobs, c, deadline)
                 if exit_mode in GATE_WORKLOADS and not repeat and run.finished == len(jobs):
                     self.gate_depths[(workers, exit_mode, c)] = [run.exit_depths[i] for i in range(len(jobs))]
                 config.runs.append(dict(run.summary(), prefix_cache_hit_ratio=_hit_ratio(before, engine.health())))
