@@ -40,7 +40,7 @@ def add_engine_options(parser: argparse.ArgumentParser, **defaults: object) -> N
     for field in dataclasses.fields(EngineConfig):
         flag = "--" + field.name.replace("_", "-")
         default, help_text = defaults.get(field.name, field.default), field.metadata.get("help", "")
-        if isinstance(default, bool):
+        if isinstance(default, bool) or field.type == "bool | None":  # None: the text says what auto means
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         else:
             kind = {int: int, float: float}.get(type(default), str)

@@ -12,6 +12,7 @@ from rlt_engine.checkpoints import DEFAULT_MODEL, resolve_model
 from rlt_engine.exit_policy import worker_exit_tests
 
 EXIT_MODES = ("fixed", "trace", "ouro", "ouro_delayed", "kl", "latent_diff")
+PLANNED_MODES = ("fixed", "trace")  # every exit depth known before the loop runs
 
 
 def default_device() -> str:
@@ -104,10 +105,13 @@ class EngineConfig:
                                               "left, or has no output yet): fewer bring the next chunk and the "
                                               "first token sooner, more spread a step's prompt tokens over more "
                                               "decode tokens (0 = D; at most loops_per_plan)")
-    mixed_batches: bool = _opt(False, "prompt chunks ride the loop passes of running decode rows (a chunk's D "
-                                      "loops in the plan's first D passes, one pass over both within "
-                                      "max_num_batched_tokens, from a CUDA graph captured at first use "
-                                      "where graphs are on), so a new prompt does not stall decodes")
+    mixed_batches: bool | None = _opt(None, "prompt chunks ride the loop passes of running decode rows (a chunk's D "
+                                            "loops in the plan's first D passes, one pass over both within "
+                                            "max_num_batched_tokens, from a CUDA graph captured at first use "
+                                            "where graphs are on), so a new prompt does not stall decodes "
+                                            "(default: on with CUDA graphs for exit modes fixed and trace, "
+                                            "off otherwise: a gate's greedy rows keep device refill, which "
+                                            "a riding chunk turns off)")
     enable_prefix_caching: bool = _opt(True, "share the K/V of full prompt blocks between requests on a worker "
                                              "(keyed by a hash chain of their tokens), kept after their last "
                                              "user finishes and evicted least recently used when blocks run short")
@@ -172,11 +176,14 @@ class EngineConfig:
         # The CPU computes a plan as it is submitted: nothing would overlap, and the float64 suites
         # keep their one-plan-at-a-time reading of a step.
         in_flight = self.max_plans_in_flight or (2 if on_cuda else 1)
+        # Mixed batches pay where exits are planned (H200, c = 32: trace 1.06×, fixed 1.07×; docs/design.md,
+        # "Mixed batches"); under a gate they would cost its greedy rows device refill (ouro 0.85×).
+        mixed = self.mixed_batches if self.mixed_batches is not None else graphs and self.exit_mode in PLANNED_MODES
         return dataclasses.replace(
             self, model=resolve_model(self.model), device=device, dtype=dtype, attention_backend=backend,
             cuda_graphs=graphs, cuda_graph_prefill=self.cuda_graph_prefill and graphs, fused_layers=fused,
             launch_pdl=pdl, loops_per_plan=loops_per_plan, max_plans_in_flight=in_flight,
-            device_refill=self.device_refill and graphs,
+            device_refill=self.device_refill and graphs, mixed_batches=mixed,
         )
 
     def worker_config(self, device: str) -> WorkerConfig:

@@ -111,18 +111,19 @@ def test_shared_prefix_workloads_with_and_without_caching(tmp_path, one_thread: 
 
 
 def test_mixed_workloads_run_an_engine_with_mixed_batches(tmp_path, one_thread: None) -> None:
-    """`ouro_mixed` is `ouro` on an engine with mixed_batches: gated against the same torch-path
-    reference (8 equal), measured beside it in one grid."""
+    """`ouro_mixed` is `ouro` on an engine with mixed_batches and `ouro_separate` one without (here, on
+    the CPU, the default too): gated against the same torch-path reference (8 equal), measured side by
+    side in one grid."""
     out = tmp_path / "bench.json"
     argv = [*TOY_GRID, "--prompt-len", "40", "--prefill-chunk-size", "8", "--concurrency", "4", "--exit",
-            "ouro,ouro_mixed", "--no-warmup", "--json", str(out)]
+            "ouro,ouro_mixed,ouro_separate", "--no-warmup", "--json", str(out)]
     assert main(argv) == 0
     payload = json.loads(out.read_text())
-    assert [r["exit_mode"] for r in payload["results"]] == ["ouro", "ouro_mixed"]
+    assert [r["exit_mode"] for r in payload["results"]] == ["ouro", "ouro_mixed", "ouro_separate"]
     assert {key: e["mixed_batches"] for key, e in payload["meta"]["engine"].items()} == {
-        "workers=0,exit=ouro": False, "workers=0,exit=ouro_mixed": True}
+        "workers=0,exit=ouro": False, "workers=0,exit=ouro_mixed": True, "workers=0,exit=ouro_separate": False}
     assert {key: g["equal"] for key, g in payload["meta"]["gate"].items()} == {
-        "workers=0,exit=ouro": 8, "workers=0,exit=ouro_mixed": 8}
+        "workers=0,exit=ouro": 8, "workers=0,exit=ouro_mixed": 8, "workers=0,exit=ouro_separate": 8}
     for r in payload["results"]:
         (run,) = r["runs"]
         assert run["finished"] == 8 and 1.0 <= run["loops_per_generated_token"] < 4.0

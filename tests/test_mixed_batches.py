@@ -354,3 +354,19 @@ def test_interpreter_mixed_batches(interp_verdicts: dict[str, str], case: str) -
 
 if __name__ == "__main__":
     interp.main(INTERP_CASES)
+
+
+@pytest.mark.parametrize(("device", "exit_mode", "asked", "resolved"), [
+    ("cuda", "trace", None, True), ("cuda", "fixed", None, True),  # planned exits: on by default
+    ("cuda", "ouro", None, False), ("cuda", "kl", None, False),  # a gate's greedy rows keep device refill
+    ("cuda", None, None, False),  # the model's default mode is not known here: off
+    ("cpu", "trace", None, False),  # no CUDA graphs: off (mixing was measured only with mixed graphs)
+    ("cuda", "trace", False, False), ("cuda", "ouro", True, True), ("cpu", "fixed", True, True),  # as asked
+])
+def test_mixed_batches_default(device: str, exit_mode: str | None, asked: bool | None, resolved: bool) -> None:
+    """mixed_batches = None resolves once, at construction: on with CUDA graphs for fixed and trace."""
+    from rlt_engine.config import EngineConfig
+
+    config = EngineConfig(model="toy-ouro", device=device, exit_mode=exit_mode, mixed_batches=asked).resolved()
+    assert config.mixed_batches is resolved
+    assert config.worker_config(device).mixed_graphs is (resolved and device == "cuda")

@@ -20,9 +20,12 @@ c requests in flight until 2·c (`--requests-factor`) have been submitted, each 
                  `--prompt-len` is its own), exit fixed, with prefix caching on or off; each run
                  starts with a cold cache and reports its hit ratio (not in the default list)
     exit fixed_mixed, trace_mixed, ouro_mixed, kl_mixed, latent_diff_mixed
-                 the workload without the suffix on an engine with `mixed_batches` (prompt chunks
-                 ride the decode rows' loop passes), so one grid compares ITL p50/p99 with mixing
-                 on and off (not in the default list)
+    exit fixed_separate, trace_separate, ouro_separate, kl_separate, latent_diff_separate
+                 the workload without the suffix on an engine with `mixed_batches` on (prompt chunks
+                 ride the decode rows' loop passes) or off (they run passes of their own), so one grid
+                 compares tokens/s and ITL p50/p99 with mixing on and off; without a suffix the
+                 engine's default holds (on for fixed and trace with CUDA graphs) (not in the default
+                 list)
     exit fixed_uncapped, trace_uncapped, ouro_uncapped, kl_uncapped, latent_diff_uncapped
                  the workload without the suffix on an engine with max_prefill_tokens_while_decoding
                  = 0 (a step carries prompt tokens up to max_num_batched_tokens while others decode),
@@ -58,7 +61,7 @@ as partial; medians use the complete runs when there is one), and the whole grid
     rlt-bench throughput --model toy-ouro --device cpu --prompt-len 16 --output-len 8 --concurrency 1,4
     rlt-bench throughput --exit shared_prefix_cached,shared_prefix_uncached --prompt-len 1024 \
         --shared-prefix-len 960 --output-len 32 --concurrency 64 --requests-factor 1   # issue 21's workload
-    rlt-bench throughput --exit trace,trace_mixed,ouro,ouro_mixed --concurrency 32 --workers 0   # mixing off / on
+    rlt-bench throughput --exit trace_separate,trace,ouro,ouro_mixed --concurrency 32 --workers 0   # mixing off / on
     rlt-bench throughput --exit trace,trace_uncapped --concurrency 32 --workers 0   # prefill cap on / off
 """
 
@@ -86,6 +89,7 @@ from rlt_engine.bench.report import free_device, log, pyplot
 HBM_TBPS = 4.3  # H200 device-to-device copy rate measured here (KINDS.md), bytes read + written
 DECODE_WORKLOADS = ("fixed", "trace", "ouro", "kl", "latent_diff")
 MIXED = "_mixed"  # a decode workload's name + this: the same with mixed_batches on (ouro_mixed, …)
+SEPARATE = "_separate"  # … the same with mixed_batches off (trace_separate, …)
 UNCAPPED = "_uncapped"  # … the same with max_prefill_tokens_while_decoding = 0 (trace_uncapped, …)
 GATE_WORKLOADS = ("ouro", "kl", "latent_diff")  # exits decided by a signal of the model
 # A gate workload's name + this: trace, each request replaying the exit depths the gate workload gave
@@ -93,7 +97,7 @@ GATE_WORKLOADS = ("ouro", "kl", "latent_diff")  # exits decided by a signal of t
 REPLAY = "_replay"
 SHALLOW = "shallow"  # trace at depth 1 after output 0: with fixed, the per-loop cost of a grid's (workers, c)
 WORKLOADS = (*DECODE_WORKLOADS, SHALLOW, "prefill", "shared_prefix_cached", "shared_prefix_uncached",
-             *(mode + suffix for suffix in (MIXED, UNCAPPED) for mode in DECODE_WORKLOADS),
+             *(mode + suffix for suffix in (MIXED, SEPARATE, UNCAPPED) for mode in DECODE_WORKLOADS),
              *(mode + REPLAY for mode in GATE_WORKLOADS))
 SHARED_PREFIX = ("shared_prefix_cached", "shared_prefix_uncached")  # exit fixed, prefix caching on / off
 OURO_THRESHOLD = 0.63  # see --ouro-threshold: 0.6 gave 2.36 and 0.7 2.80 loops (docs/benchmarks.md)
@@ -487,7 +491,7 @@ class Grid:
         a = self.args
         options = dict(self._options(_engine_exit(mode)), workers=workers, attention_backend=a.attention_backend,
                        loops_per_plan=a.loops_per_plan, enable_prefix_caching=mode != "shared_prefix_uncached",
-                       max_plans_in_flight=a.max_plans_in_flight, mixed_batches=mode.endswith(MIXED))
+                       max_plans_in_flight=a.max_plans_in_flight, mixed_batches=_mixed_batches(mode))
         for flag in ("cuda_graphs", "cuda_graph_prefill", "fused_layers", "launch_pdl", "device_refill",
                      "max_prefill_tokens_while_decoding", "prefill_tokens_per_decoding_row",
                      "loops_while_prompt_pending"):  # None: the engine's
@@ -640,10 +644,24 @@ class Grid:
         closed_loop(engine, short, 24, time.perf_counter() + 120)
         log(f"   warm-up {time.perf_counter() - t0:.1f} s")
 
+    def _warm_up_at(self, engine: Any, exit_mode: str, c: int) -> None:
+        """c requests at the timed runs' prompt length and up to 32 outputs: the graphs captured at first
+        use (mixed passes', device refill's) for this concurrency's buckets are captured here, not in a
+        timed run, where each capture would stall every decoding row (a server captures each once)."""
+        a = self.args
+        t0, before = time.perf_counter(), (_graph_stats(engine) or {}).get("lazy_captures", 0)
+        jobs = make_jobs(c, a.prompt_len, engine.model_info.vocab_size,
+                         self.workload(exit_mode, min(a.output_len, 32)), a.seed + 997 + c)
+        cold_closed_loop(engine, jobs, c, time.perf_counter() + 120)
+        captured = (_graph_stats(engine) or {}).get("lazy_captures", 0) - before
+        log(f"   c={c:<4} warm-up {time.perf_counter() - t0:.1f} s, {captured} graphs captured at first use")
+
     def _measure(self, engine: Any, workers: int, exit_mode: str, c: int) -> ConfigResult:
         """Up to --repeats timed closed-loop runs at concurrency c within the configuration's budget."""
         a = self.args
         config = ConfigResult(workers, exit_mode, c)
+        if a.warmup:
+            self._warm_up_at(engine, exit_mode, c)
         graphs_before = _graph_stats(engine)
         budget = self.budget(c)
         deadline = time.perf_counter() + budget
@@ -673,7 +691,8 @@ class Grid:
         graphs_after = _graph_stats(engine)
         if graphs_after is not None:
             config.graphs = {k: graphs_after[k] - (graphs_before or {}).get(k, 0)
-                             for k in ("replays", "eager_passes", "mixed_passes", "captures", "capture_s", "rows",
+                             for k in ("replays", "eager_passes", "mixed_passes", "captures", "lazy_captures",
+                                       "refill_captures", "capture_s", "rows",
                                        "padded_rows", "prefill_replays", "prefill_eager", "prefill_rows",
                                        "prefill_padded_rows", "exit_replays", "exit_eager", "device_refill_plans",
                                        "device_refill_resumed", "mixed_replays", "mixed_eager", "mixed_captures",
@@ -753,10 +772,17 @@ class ReplayError(RuntimeError):
 
 def _engine_exit(mode: str) -> str:
     """The engine's exit_mode for a workload (prefill: one token per request, fixed; shared prefix: fixed;
-    a mixed or uncapped one: its base workload's; a replay and shallow: trace)."""
+    a mixed, separate or uncapped one: its base workload's; a replay and shallow: trace)."""
     if mode.endswith(REPLAY) or mode == SHALLOW:
         return "trace"
-    return "fixed" if mode == "prefill" or mode in SHARED_PREFIX else mode.removesuffix(MIXED).removesuffix(UNCAPPED)
+    if mode == "prefill" or mode in SHARED_PREFIX:
+        return "fixed"
+    return mode.removesuffix(MIXED).removesuffix(SEPARATE).removesuffix(UNCAPPED)
+
+
+def _mixed_batches(mode: str) -> bool | None:
+    """The workload's mixed_batches: on (…_mixed), off (…_separate), else None (the engine's default)."""
+    return True if mode.endswith(MIXED) else False if mode.endswith(SEPARATE) else None
 
 
 def _hit_ratio(before: Any, after: Any) -> float | None:
@@ -937,7 +963,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-seconds", type=float, default=45.0, help="timed seconds per configuration")
     p.add_argument("--total-seconds", type=float, default=480.0, help="seconds for the whole grid, warm-ups included")
-    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="before timing, per engine one full-length request and 24 short ones (Triton compiles), "
+                        "and per concurrency c requests of up to 32 outputs (graphs captured at first use)")
     p.add_argument("--gate", action=argparse.BooleanOptionalAction, default=True,
                    help="before timing a configuration, its float32 build must equal the torch path on 8 requests")
     p.add_argument("--gate-output-len", type=int, default=48, help="output tokens of each gate request")
