@@ -221,7 +221,8 @@ def main() -> None:
         p.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     c = args.concurrency
     report: dict = {"exit": args.exit, "mixed": args.mixed, "concurrency": c, "variants": {}}
-    llm = LLM(args.model, device=args.device, exit_mode=args.exit, workers=0, mixed_batches=args.mixed)
+    llm = LLM(args.model, device=args.device, exit_mode=args.exit, workers=0, mixed_batches=args.mixed,
+              max_num_seqs=max(64, c))  # the default 64 would queue the rest (the bench's rule: max(concurrency))
     engine = llm.engine
     work = Workload(args.output_len, args.exit, engine.config.max_loops or 4,
                     trace_mean=2.5 if args.exit == "trace" else None,

@@ -645,12 +645,13 @@ class Grid:
         log(f"   warm-up {time.perf_counter() - t0:.1f} s")
 
     def _warm_up_at(self, engine: Any, exit_mode: str, c: int) -> None:
-        """c requests at the timed runs' prompt length and up to 32 outputs: the graphs captured at first
-        use (mixed passes', device refill's) for this concurrency's buckets are captured here, not in a
-        timed run, where each capture would stall every decoding row (a server captures each once)."""
+        """A closed loop like a timed run's with up to 32 outputs: the graphs captured at first use (mixed
+        passes', device refill's) for this concurrency's buckets are captured here, not in a timed run,
+        where each capture would stall every decoding row (a server captures each once). Its second
+        wave of prompts arrives while the first decodes, as in a timed run: that is when chunks ride."""
         a = self.args
         t0, before = time.perf_counter(), (_graph_stats(engine) or {}).get("lazy_captures", 0)
-        jobs = make_jobs(c, a.prompt_len, engine.model_info.vocab_size,
+        jobs = make_jobs(a.requests_factor * c, a.prompt_len, engine.model_info.vocab_size,
                          self.workload(exit_mode, min(a.output_len, 32)), a.seed + 997 + c)
         cold_closed_loop(engine, jobs, c, time.perf_counter() + 120)
         captured = (_graph_stats(engine) or {}).get("lazy_captures", 0) - before
@@ -965,7 +966,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--total-seconds", type=float, default=480.0, help="seconds for the whole grid, warm-ups included")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="before timing, per engine one full-length request and 24 short ones (Triton compiles), "
-                        "and per concurrency c requests of up to 32 outputs (graphs captured at first use)")
+                        "and per concurrency a closed loop of up to 32 outputs (graphs captured at first use)")
     p.add_argument("--gate", action=argparse.BooleanOptionalAction, default=True,
                    help="before timing a configuration, its float32 build must equal the torch path on 8 requests")
     p.add_argument("--gate-output-len", type=int, default=48, help="output tokens of each gate request")
