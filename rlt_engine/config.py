@@ -176,7 +176,7 @@ class EngineConfig:
         # The CPU computes a plan as it is submitted: nothing would overlap, and the float64 suites
         # keep their one-plan-at-a-time reading of a step.
         in_flight = self.max_plans_in_flight or (2 if on_cuda else 1)
-        # Mixed batches pay where exits are planned (H200, c = 32: trace 1.06×, fixed 1.07×; docs/design.md,
+        # Mixed batches pay where exits are planned (H200, c = 32, two calls: trace 1.06-1.07×, fixed 1.07×; design.md,
         # "Mixed batches"); under a gate they would cost its greedy rows device refill (ouro 0.85×).
         mixed = self.mixed_batches if self.mixed_batches is not None else graphs and self.exit_mode in PLANNED_MODES
         return dataclasses.replace(

@@ -7,7 +7,7 @@
 #   bash scripts/gpu_grid.sh 2 .bench/grid.json    # workers 1: fixed, trace, ouro, ouro_replay; c = 1, 32
 #   bash scripts/gpu_grid.sh 3 .bench/grid.json    # workers 0 and 1: fixed, trace, ouro; c = 128, and the plot
 #   bash scripts/gpu_grid.sh 4 .bench/grid.json    # workers 0: ouro, ouro_replay; c = 128
-#   bash scripts/gpu_grid.sh 5 .bench/grid.json    # workers 0: trace with mixed batches; c = 32, 128
+#   bash scripts/gpu_grid.sh 5 .bench/grid.json    # workers 0: trace and fixed without mixed batches (on by default); c = 32, 128
 #
 # Arguments after the JSON (`-` for part 1) go to rlt-bench last, so they override: e.g. a CPU smoke
 # run, `bash scripts/gpu_grid.sh 1 - --model toy-ouro --device cpu --prompt-len 16 --output-len 4`.
@@ -33,7 +33,7 @@ case $part in
   3) args=(--workers 0,1 --exit fixed,trace,ouro --concurrency 128 --max-seconds 30 --resume
            --plot "$out/throughput_h200.png") ;;
   4) args=(--workers 0 --exit ouro,ouro_replay --concurrency 128 --max-seconds 30 --resume) ;;
-  5) args=(--workers 0 --exit trace_mixed --concurrency 32,128 --max-seconds 30 --resume) ;;
+  5) args=(--workers 0 --exit trace_separate,fixed_separate --concurrency 32,128 --max-seconds 30 --resume) ;;
   *) echo "unknown part $part (1-5)" >&2; exit 2 ;;
 esac
 "${bench[@]}" "${args[@]}" "$@" 2>&1 | tee "$out/grid-$part.log" | grep -E "^\||/ |floor" || true
