@@ -30,7 +30,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from protocol.messages import DecodeBatch, ExecutionPlan, PrefillBatch, RecurrentBatch
-from rlt_engine.bench.throughput import OURO_THRESHOLD, Workload, _percentile, cold_closed_loop, make_jobs
+from rlt_engine.bench.throughput import OURO_THRESHOLD, Workload, cold_closed_loop, make_jobs, percentile
 from rlt_engine.llm import LLM
 
 VARIANTS = ("plain", "gc_frozen")
@@ -166,7 +166,7 @@ def step_table(steps: list[Step]) -> dict:
     for s in steps:
         by_kind[s.kind].append((s.end - s.start) * 1e3)
     table = {kind: {"steps": len(ms), "p50_ms": round(statistics.median(ms), 2),
-                    "p99_ms": round(_percentile(ms, 99), 2), "max_ms": round(max(ms), 2)}
+                    "p99_ms": round(percentile(ms, 99), 2), "max_ms": round(max(ms), 2)}
              for kind, ms in sorted(by_kind.items(), key=lambda kv: -len(kv[1]))}
     gc_by_gen: dict[int, float] = defaultdict(float)
     for s in steps:
@@ -189,7 +189,7 @@ def run_variant(engine, recorder: StepRecorder, jobs, c: int, frozen: bool, seco
         gc.unfreeze()
     all_gaps = gaps(recorder.deliveries)
     per_token = sorted(g for t0, t1, k in all_gaps for g in [(t1 - t0) / k] * k)
-    p40, p50, p60, p99 = (_percentile(per_token, q) for q in (40, 50, 60, 99))
+    p40, p50, p60, p99 = (percentile(per_token, q) for q in (40, 50, 60, 99))
     slow = [g for g in all_gaps if (g[1] - g[0]) / g[2] >= p99]
     typical = [g for g in all_gaps if p40 <= (g[1] - g[0]) / g[2] <= p60]
     summary = run.summary()

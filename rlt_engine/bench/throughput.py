@@ -300,15 +300,15 @@ class RunResult:
             "requests": self.requests, "finished": self.finished, "output_tokens": self.output_tokens,
             "elapsed_s": self.elapsed_s, "partial": self.partial, "tokens_per_s": self.tokens_per_s,
             "prompt_tokens": self.prompt_tokens, "prompt_tokens_per_s": self.prompt_tokens_per_s,
-            "ttft_p50_s": _percentile(self.ttft_s, 50), "ttft_p99_s": _percentile(self.ttft_s, 99),
-            "itl_p50_s": _percentile(self.itl_s, 50), "itl_p99_s": _percentile(self.itl_s, 99),
+            "ttft_p50_s": percentile(self.ttft_s, 50), "ttft_p99_s": percentile(self.ttft_s, 99),
+            "itl_p50_s": percentile(self.itl_s, 50), "itl_p99_s": percentile(self.itl_s, 99),
             "loops_per_token": self.loops / self.output_tokens if self.output_tokens else None,
             "loops_per_generated_token": (self.generated_loops / self.generated_tokens
                                           if self.generated_tokens else None),
         }
 
 
-def _percentile(values: Sequence[float], q: float) -> float | None:
+def percentile(values: Sequence[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
