@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from protocol.messages import PrefillBatch
 from rlt_engine.bench.throughput import (
     KL_THRESHOLD,
     Workload,
@@ -394,6 +395,32 @@ def test_profile_mixed_script(tmp_path) -> None:
     report = json.loads((tmp_path / "profile_mixed.json").read_text())
     assert report["mixed"] and report["timed_tok_s"] > 0 and report["host_ops"], report.keys()
     assert "closed_loop" in report["cprofile_cumulative"]
+
+
+def test_warm_up_per_concurrency_rides_chunks(tmp_path, monkeypatch: pytest.MonkeyPatch, one_thread: None) -> None:
+    """The per-concurrency warm-up sends prompts while others decode, as a timed run does, so mixed passes
+    (whose graphs are captured at first use on CUDA) run there before any timed run."""
+    from rlt_engine.bench.throughput import Grid
+
+    riding: dict[int, int] = {}
+    warm_up_at = Grid._warm_up_at
+
+    def counting(self, engine, exit_mode: str, c: int) -> None:
+        def listener(worker: int, plan) -> None:
+            riding[c] = riding.get(c, 0) + sum(isinstance(b, PrefillBatch) and b.rides_loop_passes
+                                                for b in plan.batches)
+        engine.add_plan_listener(listener)
+        try:
+            warm_up_at(self, engine, exit_mode, c)
+        finally:
+            engine._plan_listeners.remove(listener)
+
+    monkeypatch.setattr(Grid, "_warm_up_at", counting)
+    out = tmp_path / "bench.json"
+    assert main([*TOY_GRID, "--concurrency", "4", "--exit", "trace_mixed", "--no-gate", "--json", str(out)]) == 0
+    assert riding.get(4, 0) > 0, riding
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["runs"][0]["finished"] == 8
 
 
 def test_profile_itl_script(tmp_path) -> None:
