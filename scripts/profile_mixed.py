@@ -39,9 +39,10 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=128)
     args = p.parse_args()
-    llm = LLM(args.model, device=args.device, exit_mode=args.exit, workers=0, mixed_batches=args.mixed)
-    engine = llm.engine
     c = args.concurrency
+    llm = LLM(args.model, device=args.device, exit_mode=args.exit, workers=0, mixed_batches=args.mixed,
+              max_num_seqs=max(64, c))  # the default 64 would queue the rest (the bench's rule: max(concurrency))
+    engine = llm.engine
     work = Workload(args.output_len, args.exit, engine.config.max_loops or 4,
                     trace_mean=2.5 if args.exit == "trace" else None,
                     threshold=OURO_THRESHOLD if args.exit == "ouro" else None)
