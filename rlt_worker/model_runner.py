@@ -304,9 +304,11 @@ class ModelRunner:
         """A slot's sampling options (at admission, or restored by a swap import)."""
         self.slot_options[slot] = options
         self.host_greedy[slot] = options.temperature <= 0
-        self.temperature[slot] = options.temperature
-        self.top_k[slot] = options.top_k
-        self.top_p[slot] = options.top_p
+        # fill_ takes the value as a kernel argument; `[slot] = value` would copy it to the device from
+        # pageable memory, which waits for the stream to drain (the plans in flight) at every admit.
+        self.temperature[slot].fill_(options.temperature)
+        self.top_k[slot].fill_(options.top_k)
+        self.top_p[slot].fill_(options.top_p)
         mask = np.zeros(self.stop_mask.shape[1], dtype=bool)
         mask[[t for t in options.stop_token_ids if 0 <= t < len(mask)]] = True
         self.upload_into(self.stop_mask[slot], mask)  # pinned, asynchronous: admitting waits for nothing

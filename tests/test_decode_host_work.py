@@ -187,6 +187,30 @@ def test_planned_plans_queue_without_a_sync_on_cuda(compiled: None, monkeypatch:
     assert not any(p.readbacks for p in work.passes + work.boundaries + work.plans)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_slot_ops_queue_without_a_sync_on_cuda(compiled: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan's slot ops (admits with their sampling options, block appends, releases) never wait for
+    the device: a sync there drains the plans in flight at every arrival (torch's sync debug mode
+    raises at any synchronising call). Admits with greedy, top-k and top-p options and stop tokens."""
+    depth = DEPTH["toy-ouro"]
+    jobs = make_workload(random.Random("slot-ops-cuda"), 6, depth=depth, exit_mode="trace",
+                         sampling=("greedy", "top_p", "top_k"), max_prompt_len=8, max_tokens=9, spread=1)
+    for name in ("_admit", "_append_blocks", "_release"):
+        real = getattr(ModelRunner, name)
+
+        def without_syncs(runner: ModelRunner, *args: object, real: Callable = real) -> object:
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return real(runner, *args)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        monkeypatch.setattr(ModelRunner, name, without_syncs)
+    work, _ = run_on_cuda_graphs("trace", jobs, monkeypatch)
+    assert len(work.plans) > 0
+
+
 # ------------------------------------------------------------------------------- exit tests from graphs
 
 
