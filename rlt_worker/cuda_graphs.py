@@ -172,12 +172,11 @@ class LoopPassGraphs:
         self.max_width = runner.block_tables.shape[2]
         largest = min(ROW_BUCKETS[-1], next_pow2(runner.config.max_slots))
         self.row_buckets = tuple(b for b in ROW_BUCKETS if b <= largest)
-        device = runner.device
-        # Static inputs, one contiguous [3, rows] buffer per rows bucket: slots, positions, depths.
-        self._index = {b: torch.zeros(3, b, dtype=torch.long, device=device) for b in self.row_buckets}
-        for index in self._index.values():
-            index[0].fill_(dummy_slot)
-            index[2].fill_(1)
+        # Static inputs, one contiguous [3, rows] buffer per row count: slots, positions, depths (the
+        # decode graphs' buckets now; a mixed pass's finer slot-row counts at their first use).
+        self._index: dict[int, torch.Tensor] = {}
+        for rows in self.row_buckets:
+            self.static_rows(rows)
         runner.block_tables[dummy_slot] = scratch_block
         self._graphs: dict[tuple[int, int], Any] = {}
         self._pool: Any = None
@@ -270,7 +269,7 @@ class LoopPassGraphs:
         host = np.empty((3, rows), dtype=np.int64)
         host[0, n:], host[1, n:], host[2, n:] = self.dummy_slot, 0, 1
         host[0, :n], host[1, :n], host[2, :n] = slots, positions, depths
-        index = self._index[rows]
+        index = self.static_rows(rows)
         self.runner.upload_into(index, host)
         return index
 
@@ -301,8 +300,14 @@ class LoopPassGraphs:
         stats.buckets[name] = stats.buckets.get(name, 0) + 1
 
     def static_rows(self, rows: int) -> torch.Tensor:
-        """A rows bucket's static inputs, [3, rows]: slots, positions, depths (what `stage` wrote last)."""
-        return self._index[rows]
+        """The static inputs of `rows` rows, [3, rows]: slots, positions, depths (what `write_rows` wrote
+        last; made on first use, pointing at the dummy slot)."""
+        index = self._index.get(rows)
+        if index is None:
+            index = self._index[rows] = torch.zeros(3, rows, dtype=torch.long, device=self.runner.device)
+            index[0].fill_(self.dummy_slot)
+            index[2].fill_(1)
+        return index
 
     def _pass(self, rows: int, width: int) -> None:
         """The captured function: one loop pass of the bucket's static rows."""

@@ -6,18 +6,20 @@ weight, and per layer each part attends through its own kernel (StackedContext).
 about 280 launches from Python for Ouro-1.4B plus each part's attention launches, more host time
 than GPU time. A graph here holds both parts, each padded as its own kind of graph pads it:
 
-    rows    | slot rows: a decode graph's (rows, width) bucket | chunk rows: a prefill graph's (tokens, chunks) bucket |
-    inputs    that bucket's static index (LoopPassGraphs.write_rows:  this graph family's own static chunk buffers
+    rows      slot rows: a decode graph's width, rows padded      chunk rows: a prefill graph's (tokens, chunks) bucket
+              finer (slot_rows: multiples of ROW_STEP)
+    inputs    static rows of that count (LoopPassGraphs.write_rows: this graph family's own static chunk buffers
               slots, positions, depths; padding: the dummy slot)   (ChunkBuffers: each chunk's own depth;
                                                                     padding: the padding chunk)
     captured  the gather of the slot rows' state and injected input, the loop over both parts (the slot rows
               through the decode kernel, the chunks through the prefill kernel), the scatter of the slot
               rows' new state and the copy of the chunks' into the static state
 
-So a key is (rows, width, tokens, chunks): the decode graphs' buckets (rlt_worker/cuda_graphs.py) by
-the prefill graphs' (rlt_worker/prefill_graphs.py), thousands in all but few in use (the H200
-benchmark with 1,024-token prompts used 4 keys at c = 32 and 12 at c = 128: the scheduler's
-bucket-aligned budget gives chunks a prefill bucket's size). So each key is captured at its first
+So a key is (rows, width, tokens, chunks): slot_rows' counts and the decode graphs' widths
+(rlt_worker/cuda_graphs.py) by the prefill graphs' buckets (rlt_worker/prefill_graphs.py), thousands
+in all but few in use (the H200 benchmark with 1,024-token prompts used 4 keys at c = 32 and 12 at
+c = 128 while slot rows were padded to powers of two: the scheduler's bucket-aligned budget gives
+chunks a prefill bucket's size). So each key is captured at its first
 use (`mixed_captures`, within `lazy_captures`), in the pool every graph shares, and at most
 MAX_GRAPHS of them; past that, or with no bucket, or after a failed capture (`mixed_error`), a pass
 runs eagerly (`mixed_eager`).
@@ -50,6 +52,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("rlt.worker")
 
 MAX_GRAPHS = 256  # mixed-pass graphs a worker captures at most (each holds its kernels' launch records)
+# Slot rows of a mixed pass are padded to a power of two below this, and to a multiple of it from there.
+# Finer than the decode graphs' powers of two: with hundreds of chunk rows beside them a pass's GEMMs
+# are compute-bound, so a padded slot row costs what a real one does (H200, c = 128, trace: padding to
+# powers of two made 8.1% of the mixed rows, most of them slot rows), where a decode pass's GEMMs read
+# the weights once whatever its rows.
+ROW_STEP = 16
 
 MixedKey = tuple[int, int, int, int]  # (rows, width) of the slot rows, (tokens, chunks) of the chunk rows
 
@@ -69,7 +77,7 @@ class MixedGraphs:
         """One loop pass of these slot rows and of the riding chunks' next loop, from a graph (the
         chunks' state then advanced); False (nothing run) when no graph takes them."""
         stats, chunks = self.passes.stats, riding.host
-        rows_key = self.passes.bucket(len(slots), int(positions.max()))
+        rows_key = self._rows_key(len(slots), int(positions.max()))
         chunk_key = self.buffers.bucket(chunks)
         graph = None if rows_key is None or chunk_key is None else self._graph((*rows_key, *chunk_key))
         if graph is None:
@@ -87,6 +95,12 @@ class MixedGraphs:
         stats.mixed_rows += len(slots) + n
         stats.mixed_padded_rows += rows_key[0] + chunk_key[0] - len(slots) - n
         return True
+
+    def _rows_key(self, num_rows: int, max_position: int) -> tuple[int, int] | None:
+        """The slot rows' (rows, width): the decode bucket's width, the rows padded to slot_rows(); None
+        past the largest decode bucket."""
+        key = self.passes.bucket(num_rows, max_position)
+        return None if key is None else (slot_rows(num_rows), key[1])
 
     def _graph(self, key: MixedKey) -> Any:
         """The key's graph, captured now if it is not yet; None when it cannot be (a failed capture,
@@ -128,3 +142,10 @@ class MixedGraphs:
                                   torch.cat([positions, static.positions]), context)
         runner.state.index_copy_(0, slots, state[:rows])
         static.state.copy_(state[rows:])
+
+
+def slot_rows(num_rows: int) -> int:
+    """A mixed pass's slot rows padded: the next power of two below ROW_STEP, else the next multiple of it."""
+    if num_rows <= ROW_STEP:
+        return 1 << max(num_rows - 1, 0).bit_length()
+    return -(-num_rows // ROW_STEP) * ROW_STEP
