@@ -645,14 +645,15 @@ class Grid:
         log(f"   warm-up {time.perf_counter() - t0:.1f} s")
 
     def _warm_up_at(self, engine: Any, exit_mode: str, c: int) -> None:
-        """A closed loop like a timed run's with up to 32 outputs: the graphs captured at first use (mixed
-        passes', device refill's) for this concurrency's buckets are captured here, not in a timed run,
-        where each capture would stall every decoding row (a server captures each once). Its second
-        wave of prompts arrives while the first decodes, as in a timed run: that is when chunks ride."""
+        """A closed loop as long as a timed run, other prompts: the graphs captured at first use (mixed
+        passes', device refill's) for this concurrency's keys are captured here, not in a timed run,
+        where each capture stalls every decoding row (a server captures each once). The keys follow how
+        many rows decode while a chunk rides, so the outputs are a timed run's too: with 32 outputs
+        (918500e) the H200's c = 128 trace runs still captured 14 mixed keys (1.3 s) after it."""
         a = self.args
         t0, before = time.perf_counter(), (_graph_stats(engine) or {}).get("lazy_captures", 0)
         jobs = make_jobs(a.requests_factor * c, a.prompt_len, engine.model_info.vocab_size,
-                         self.workload(exit_mode, min(a.output_len, 32)), a.seed + 997 + c)
+                         self.workload(exit_mode, a.output_len), a.seed + 997 + c)
         cold_closed_loop(engine, jobs, c, time.perf_counter() + 120)
         captured = (_graph_stats(engine) or {}).get("lazy_captures", 0) - before
         log(f"   c={c:<4} warm-up {time.perf_counter() - t0:.1f} s, {captured} graphs captured at first use")
