@@ -23,7 +23,8 @@ largest bucket (max_num_batched_tokens) as every step's are.
 
     bucket-aligned (when the worker replays PREFILL passes from graphs, WorkerReady.prefill_token_buckets):
              either rule's tokens, raised to the next bucket within the decode rows' leftover of
-             max_num_batched_tokens (unchanged where none fits)
+             max_num_batched_tokens; where none fits, lowered to the bucket below if that computes
+             more prompt tokens per row of the pass than padding up does (else unchanged)
 
 A graphed batch is padded up to the next bucket (16, 32, …, 512, then multiples of 512), and past 512
 rows a pass's GEMMs grow with its padded rows: a per-row cap of 16 × 70 requests (1,120 tokens) runs
@@ -69,26 +70,41 @@ class DecodeAwareBudget:
 class BucketAlignedBudget:
     """Another budget's tokens raised to the next prefill graph bucket that fits (module docstring).
 
-    Up, never down: fewer prompt tokens than the cap's slow the prompts, so fewer requests decode, so
-    the per-row cap stays low. At c = 128 on the H200, rounding down and to the nearest bucket ran
-    trace's decode passes at 34.6 rows against the plain cap's 57.7, at 2,019 and 2,063 against 2,437
-    tok/s (design.md, "Prefill budget"). Where no bucket fits in what the decode rows left (`budget`),
-    the tokens stay as they are."""
+    Up where a bucket fits: fewer prompt tokens than the cap's slow the prompts, so fewer requests
+    decode, so the per-row cap stays low. At c = 128 on the H200, rounding down and to the nearest
+    bucket ran trace's decode passes at 34.6 rows against the plain cap's 57.7, at 2,019 and 2,063
+    against 2,437 tok/s (design.md, "Prefill budget").
 
-    def __init__(self, inner: PrefillBudget, buckets: tuple[int, ...]) -> None:
+    Where no bucket fits in what the decode rows left (`budget`), the graph pads the tokens to the
+    next bucket anyway, past max_num_batched_tokens: 1,600 tokens beside 100 decode rows run as 2,048
+    + 100 rows, and at that size a pass's GEMMs cost by the row. So the tokens go down to the bucket
+    below when it computes more prompt tokens per row of the pass (1,536 of 1,636), and stay (to be
+    padded) when it does not: beside 1,048 decode rows, 912 tokens keep 912 of 2,072 rows rather than
+    512 of 1,560."""
+
+    def __init__(self, inner: PrefillBudget, buckets: tuple[int, ...], max_num_batched_tokens: int) -> None:
         self.inner, self.buckets = inner, tuple(sorted(buckets))
+        self.max_num_batched_tokens = max_num_batched_tokens
 
     def tokens(self, running: list[Request], budget: int) -> int:
         tokens = self.inner.tokens(running, budget)
         # Up only within the decode rows' leftover: rows + prompt tokens stay ≤ max_num_batched_tokens.
-        return min((b for b in self.buckets if tokens <= b <= budget), default=tokens)
+        up = min((b for b in self.buckets if tokens <= b <= budget), default=None)
+        if up is not None:
+            return up
+        padded = min((b for b in self.buckets if b >= tokens), default=tokens)
+        down = max((b for b in self.buckets if b <= tokens), default=tokens)
+        rows = self.max_num_batched_tokens - budget  # the decode rows beside the chunks
+        return down if down * (padded + rows) > tokens * (down + rows) else tokens
 
 
 def make_prefill_budget(max_prefill_tokens_while_decoding: int, prefill_tokens_per_decoding_row: int,
-                        prefill_token_buckets: tuple[int, ...] = ()) -> PrefillBudget:
+                        max_num_batched_tokens: int, prefill_token_buckets: tuple[int, ...] = ()) -> PrefillBudget:
     """0: today's rule (FullBudget); else the decode-aware cap. Either is bucket-aligned when the worker
     has prefill graph buckets."""
     budget: PrefillBudget = FullBudget()
     if max_prefill_tokens_while_decoding:
         budget = DecodeAwareBudget(max_prefill_tokens_while_decoding, prefill_tokens_per_decoding_row)
-    return BucketAlignedBudget(budget, prefill_token_buckets) if prefill_token_buckets else budget
+    if not prefill_token_buckets:
+        return budget
+    return BucketAlignedBudget(budget, prefill_token_buckets, max_num_batched_tokens)

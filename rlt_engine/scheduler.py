@@ -110,7 +110,7 @@ class Scheduler(SchedulerFaults):
         self.mixing = make_prefill_mixing(config.mixed_batches)
         self.prefill_budget = make_prefill_budget(config.max_prefill_tokens_while_decoding,
                                                   config.prefill_tokens_per_decoding_row,
-                                                  config.prefill_token_buckets)
+                                                  config.max_num_batched_tokens, config.prefill_token_buckets)
         exit_test = policy.exit_test
         if exit_test is None and config.loops_per_plan > 1:
             # Several passes per plan: planned positions loop in the worker's decode loop too, so a row

@@ -128,27 +128,31 @@ BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 1536, 2048)  # token_buckets(2048, 2
 
 @pytest.mark.parametrize(("tokens", "budget", "aligned"),
                          [(560, 2000, 1024), (1120, 2000, 1536), (512, 2000, 512), (513, 2000, 1024),
-                          (100, 2000, 128), (10, 2000, 16), (2043, 2043, 2043), (1900, 1900, 1900),
-                          (912, 1000, 912), (912, 1024, 1024)])
+                          (100, 2000, 128), (10, 2000, 16), (912, 1024, 1024),
+                          (1600, 1948, 1536), (1900, 1900, 1536), (2043, 2043, 1536), (1536, 1900, 1536),
+                          (912, 1000, 912), (10, 10, 10)])
 def test_bucket_aligned_budget_rises_to_the_next_bucket_that_fits(tokens: int, budget: int, aligned: int) -> None:
     """The inner rule's tokens (here: a cap) rise to the next bucket, but never above what the decode
-    rows left (`budget`): where none fits they stay as they are."""
+    rows left of 2,048 (`budget`). Where none fits they go down to the bucket below when that computes
+    more prompt tokens per row of the padded pass (1,600 beside 100 rows: 1,536 of 1,636 rows, not 1,600
+    of 2,148), and stay otherwise (912 beside 1,048 rows: 912 of 2,072, not 512 of 1,560; 10 with no
+    bucket below)."""
 
     class Cap:
         def tokens(self, running: list, budget: int) -> int:
             return min(tokens, budget)
 
-    assert BucketAlignedBudget(Cap(), BUCKETS).tokens([], budget) == aligned
+    assert BucketAlignedBudget(Cap(), BUCKETS, 2048).tokens([], budget) == aligned
 
 
 def test_bucket_alignment_only_with_buckets() -> None:
     """No buckets (prefill runs eagerly: the CPU, or graphs off): the rule itself; with buckets, either
     rule aligned."""
-    assert isinstance(make_prefill_budget(0, 0), FullBudget)
-    assert isinstance(make_prefill_budget(512, 16), DecodeAwareBudget)
-    aligned = make_prefill_budget(512, 16, BUCKETS)
+    assert isinstance(make_prefill_budget(0, 0, 2048), FullBudget)
+    assert isinstance(make_prefill_budget(512, 16, 2048), DecodeAwareBudget)
+    aligned = make_prefill_budget(512, 16, 2048, BUCKETS)
     assert isinstance(aligned, BucketAlignedBudget) and isinstance(aligned.inner, DecodeAwareBudget)
-    assert isinstance(make_prefill_budget(0, 0, BUCKETS).inner, FullBudget)
+    assert isinstance(make_prefill_budget(0, 0, 2048, BUCKETS).inner, FullBudget)
 
 
 def test_aligned_steps_carry_whole_buckets() -> None:
@@ -207,7 +211,8 @@ def run_jobs(mode: str, jobs: list[Job], cap: int, emulate_graphs: bool = False,
         if emulate_graphs:
             runner.use_pass_graphs(emulate=True, prefill=True)
         if aligned:
-            llm.engine.scheduler.prefill_budget = make_prefill_budget(cap, 0, runner.prefill_token_buckets)
+            llm.engine.scheduler.prefill_budget = make_prefill_budget(cap, 0, llm.engine.config.max_num_batched_tokens,
+                                                                        runner.prefill_token_buckets)
         run = run_workload(llm, jobs)
         run.graph_stats = runner.graph_stats
         run.assert_resources_returned()
