@@ -163,6 +163,17 @@ def test_the_same_counts_on_cuda_with_captured_graphs(compiled: None, monkeypatc
     assert_host_work(work, most_boundary_uploads=3)
 
 
+def raising_at_syncs(method: Callable) -> Callable:
+    """`method` under torch's sync debug mode "error": any synchronising CUDA call inside it raises."""
+    def wrapped(self: object, *args: object) -> object:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return method(self, *args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return wrapped
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_planned_plans_queue_without_a_sync_on_cuda(compiled: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -172,16 +183,7 @@ def test_planned_plans_queue_without_a_sync_on_cuda(compiled: None, monkeypatch:
     depth = DEPTH["toy-ouro"]
     jobs = make_workload(random.Random("planned-cuda"), 6, depth=depth, exit_mode="trace",
                          sampling=("greedy", "top_p"), max_prompt_len=8, max_tokens=9, spread=1)
-    real_run = DecodeLoop.run
-
-    def run_without_syncs(loop: DecodeLoop, *args: object) -> object:
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return real_run(loop, *args)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    monkeypatch.setattr(DecodeLoop, "run", run_without_syncs)  # count_host_work wraps this one
+    monkeypatch.setattr(DecodeLoop, "run", raising_at_syncs(DecodeLoop.run))  # count_host_work wraps this one
     work, stats = run_on_cuda_graphs("trace", jobs, monkeypatch)
     # trace mixes prompt chunks into passes by default with graphs: those replay mixed graphs
     replayed = stats["replays"] + stats["mixed_replays"] if stats is not None else 0
@@ -199,16 +201,7 @@ def test_slot_ops_queue_without_a_sync_on_cuda(compiled: None, monkeypatch: pyte
     jobs = make_workload(random.Random("slot-ops-cuda"), 6, depth=depth, exit_mode="trace",
                          sampling=("greedy", "top_p", "top_k"), max_prompt_len=8, max_tokens=9, spread=1)
     for name in ("_admit", "_append_blocks", "_release"):
-        real = getattr(ModelRunner, name)
-
-        def without_syncs(runner: ModelRunner, *args: object, real: Callable = real) -> object:
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                return real(runner, *args)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-
-        monkeypatch.setattr(ModelRunner, name, without_syncs)
+        monkeypatch.setattr(ModelRunner, name, raising_at_syncs(getattr(ModelRunner, name)))
     work, _ = run_on_cuda_graphs("trace", jobs, monkeypatch)
     assert len(work.plans) > 0
 
