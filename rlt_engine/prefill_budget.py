@@ -17,7 +17,8 @@ step at c = 32 is needlessly tight at c = 128.
 Neither starves anyone: decode rows are scheduled first and never counted against the cap, and the
 first running prompt gets min(cap, prefill_chunk_size, what is left of it) tokens every step (the
 full rule's budget is ≥ 1 whenever a prompt is running: rows ≤ max_num_seqs ≤ max_num_batched_tokens),
-so prompts finish in arrival order.
+so prompts finish in arrival order. Bucket alignment keeps that: it rounds down only to a bucket, the
+smallest of which is ≥ 1 token (16 for the prefill graphs).
 A capped step's prompt rows are one PrefillBatch of ≤ cap tokens, inside the prefill graphs'
 largest bucket (max_num_batched_tokens) as every step's are.
 
