@@ -29,9 +29,10 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from profile_ouro_gap import closed_loop_engine  # scripts/, this script's folder
+
 from protocol.messages import DecodeBatch, ExecutionPlan, PrefillBatch, RecurrentBatch
-from rlt_engine.bench.throughput import OURO_THRESHOLD, Workload, cold_closed_loop, make_jobs, percentile
-from rlt_engine.llm import LLM
+from rlt_engine.bench.throughput import cold_closed_loop, percentile
 
 VARIANTS = ("plain", "gc_frozen")
 
@@ -221,13 +222,8 @@ def main() -> None:
         p.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     c = args.concurrency
     report: dict = {"exit": args.exit, "mixed": args.mixed, "concurrency": c, "variants": {}}
-    llm = LLM(args.model, device=args.device, exit_mode=args.exit, workers=0, mixed_batches=args.mixed,
-              max_num_seqs=max(64, c))  # the default 64 would queue the rest (the bench's rule: max(concurrency))
+    llm, jobs = closed_loop_engine(args)
     engine = llm.engine
-    work = Workload(args.output_len, args.exit, engine.config.max_loops or 4,
-                    trace_mean=2.5 if args.exit == "trace" else None,
-                    threshold=OURO_THRESHOLD if args.exit == "ouro" else None)
-    jobs = make_jobs(2 * c, args.prompt_len, engine.model_info.vocab_size, work, seed=7)
     recorder = StepRecorder(engine)
     try:
         for variant in variants:

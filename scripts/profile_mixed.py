@@ -17,11 +17,10 @@ import argparse
 import json
 import time
 
-from profile_ouro_gap import cprofile_table, kernel_timeline  # scripts/, this script's folder
+from profile_ouro_gap import closed_loop_engine, cprofile_table, kernel_timeline  # scripts/, this script's folder
 from torch.profiler import ProfilerActivity, profile
 
-from rlt_engine.bench.throughput import OURO_THRESHOLD, Workload, cold_closed_loop, make_jobs
-from rlt_engine.llm import LLM
+from rlt_engine.bench.throughput import cold_closed_loop
 
 TOP = 25
 
@@ -40,13 +39,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     args = p.parse_args()
     c = args.concurrency
-    llm = LLM(args.model, device=args.device, exit_mode=args.exit, workers=0, mixed_batches=args.mixed,
-              max_num_seqs=max(64, c))  # the default 64 would queue the rest (the bench's rule: max(concurrency))
+    llm, jobs = closed_loop_engine(args)
     engine = llm.engine
-    work = Workload(args.output_len, args.exit, engine.config.max_loops or 4,
-                    trace_mean=2.5 if args.exit == "trace" else None,
-                    threshold=OURO_THRESHOLD if args.exit == "ouro" else None)
-    jobs = make_jobs(2 * c, args.prompt_len, engine.model_info.vocab_size, work, seed=7)
     report: dict = {"exit": args.exit, "mixed": args.mixed, "concurrency": c}
     for name in ("warm_up", "timed"):
         run = cold_closed_loop(engine, jobs, c, time.perf_counter() + 60)

@@ -30,6 +30,20 @@ TOP_KERNELS = 25  # kernels by total GPU time in the profiled request
 TOP_GAP_PAIRS = 12  # (activity before, activity after) pairs of the gaps over GAP_US, by their total
 
 
+def closed_loop_engine(args) -> tuple[LLM, list]:
+    """The in-process engine (workers = 0) and the 2·c jobs of the bench's closed loop for a profile
+    script's args (model, device, exit, mixed, concurrency, prompt_len, output_len); trace at mean 2.5,
+    ouro at the bench's threshold."""
+    c = args.concurrency
+    llm = LLM(args.model, device=args.device, exit_mode=args.exit, workers=0, mixed_batches=args.mixed,
+              max_num_seqs=max(64, c))  # the default 64 would queue the rest (the bench's rule: max(concurrency))
+    engine = llm.engine
+    work = Workload(args.output_len, args.exit, engine.config.max_loops or 4,
+                    trace_mean=2.5 if args.exit == "trace" else None,
+                    threshold=OURO_THRESHOLD if args.exit == "ouro" else None)
+    return llm, make_jobs(2 * c, args.prompt_len, engine.model_info.vocab_size, work, seed=7)
+
+
 def run_request(engine, job, request_id: str) -> tuple[int, float]:
     """(tokens, ms from the first token to the last) of one request run alone."""
     engine.add_request(request_id, job.prompt, job.params)
