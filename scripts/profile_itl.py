@@ -29,7 +29,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from profile_ouro_gap import closed_loop_engine  # scripts/, this script's folder
+from profile_ouro_gap import add_closed_loop_args, closed_loop_engine  # scripts/, this script's folder
 
 from protocol.messages import DecodeBatch, ExecutionPlan, PrefillBatch, RecurrentBatch
 from rlt_engine.bench.throughput import cold_closed_loop, percentile
@@ -207,15 +207,9 @@ def run_variant(engine, recorder: StepRecorder, jobs, c: int, frozen: bool, seco
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out_dir")
-    p.add_argument("--exit", default="trace")
-    p.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=False, help="--mixed-batches")
+    add_closed_loop_args(p, mixed=False)
     p.add_argument("--variants", default="plain,gc_frozen", help=f"comma-separated, of {', '.join(VARIANTS)}")
-    p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--seconds", type=float, default=60.0, help="deadline of each run")
-    p.add_argument("--model", default="synthetic-ouro-1.4b")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--output-len", type=int, default=128)
     args = p.parse_args()
     variants = args.variants.split(",")
     if unknown := set(variants) - set(VARIANTS):

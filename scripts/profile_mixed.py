@@ -17,7 +17,12 @@ import argparse
 import json
 import time
 
-from profile_ouro_gap import closed_loop_engine, cprofile_table, kernel_timeline  # scripts/, this script's folder
+from profile_ouro_gap import (  # scripts/, this script's folder
+    add_closed_loop_args,
+    closed_loop_engine,
+    cprofile_table,
+    kernel_timeline,
+)
 from torch.profiler import ProfilerActivity, profile
 
 from rlt_engine.bench.throughput import cold_closed_loop
@@ -28,15 +33,9 @@ TOP = 25
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out_dir")
-    p.add_argument("--exit", default="trace")
-    p.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--concurrency", type=int, default=32)
+    add_closed_loop_args(p, mixed=True)
     p.add_argument("--window", type=int, default=60, help="engine steps under torch.profiler")
     p.add_argument("--skip", type=int, default=100, help="engine steps of that run before the window")
-    p.add_argument("--model", default="synthetic-ouro-1.4b")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--output-len", type=int, default=128)
     args = p.parse_args()
     c = args.concurrency
     llm, jobs = closed_loop_engine(args)

@@ -10,6 +10,7 @@ Each mode runs two warm-up requests, one timed, one under the profiler and one u
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import io
 import json
@@ -30,10 +31,20 @@ TOP_KERNELS = 25  # kernels by total GPU time in the profiled request
 TOP_GAP_PAIRS = 12  # (activity before, activity after) pairs of the gaps over GAP_US, by their total
 
 
-def closed_loop_engine(args) -> tuple[LLM, list]:
+def add_closed_loop_args(p: argparse.ArgumentParser, mixed: bool) -> None:
+    """The options closed_loop_engine reads (`mixed`: --mixed's default)."""
+    p.add_argument("--exit", default="trace")
+    p.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=mixed, help="--mixed-batches")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--model", default="synthetic-ouro-1.4b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=128)
+
+
+def closed_loop_engine(args: argparse.Namespace) -> tuple[LLM, list]:
     """The in-process engine (workers = 0) and the 2·c jobs of the bench's closed loop for a profile
-    script's args (model, device, exit, mixed, concurrency, prompt_len, output_len); trace at mean 2.5,
-    ouro at the bench's threshold."""
+    script's args (add_closed_loop_args); trace at mean 2.5, ouro at the bench's threshold."""
     c = args.concurrency
     llm = LLM(args.model, device=args.device, exit_mode=args.exit, workers=0, mixed_batches=args.mixed,
               max_num_seqs=max(64, c))  # the default 64 would queue the rest (the bench's rule: max(concurrency))
