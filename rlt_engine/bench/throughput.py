@@ -967,7 +967,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--total-seconds", type=float, default=480.0, help="seconds for the whole grid, warm-ups included")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="before timing, per engine one full-length request and 24 short ones (Triton compiles), "
-                        "and per concurrency a closed loop of up to 32 outputs (graphs captured at first use)")
+                        "and per concurrency a closed loop as long as a timed run (graphs captured at first use)")
     p.add_argument("--gate", action=argparse.BooleanOptionalAction, default=True,
                    help="before timing a configuration, its float32 build must equal the torch path on 8 requests")
     p.add_argument("--gate-output-len", type=int, default=48, help="output tokens of each gate request")
