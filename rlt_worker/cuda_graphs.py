@@ -90,6 +90,7 @@ class GraphStats:
     device_refill_plans: int = 0  # DecodeBatches whose passes ran with no readback (rlt_worker/device_refill.py)
     device_refill_resumed: int = 0  # of those, resumed where the last one left its rows (no readback between)
     refill_captures: int = 0  # device-refill pass graphs, captured at a bucket's first use (within lazy_captures)
+    refill_riding_passes: int = 0  # device-refill passes that prompt chunks rode (within mixed_replays)
     refill_error: str | None = None  # a device-refill pass capture failed: those batches take the host loop
     coda_eager: int = 0  # CODA batches that could not (forced tokens, replay rows, too many rows)
     coda_error: str | None = None  # a CODA capture failed: CODA runs eagerly (the passes keep their graphs)
@@ -126,6 +127,7 @@ class GraphStats:
             "coda_replays": self.coda_replays, "coda_eager": self.coda_eager, "coda_error": self.coda_error,
             "device_refill_plans": self.device_refill_plans,
             "device_refill_resumed": self.device_refill_resumed, "refill_captures": self.refill_captures,
+            "refill_riding_passes": self.refill_riding_passes,
             "refill_error": self.refill_error,
             "exit_replays": self.exit_replays, "exit_eager": self.exit_eager, "exit_error": self.exit_error,
             "buckets": dict(self.buckets), "error": self.error,

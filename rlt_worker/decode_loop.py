@@ -165,18 +165,22 @@ class DecodeLoop:
         waiting = np.flatnonzero(behind_prefill)
         self._stop_unless_completable(np.flatnonzero(rows.running & ~rows.exited))
         self._boundary(np.flatnonzero(rows.running & rows.exited & ~behind_prefill), results)
-        on_device = None if len(waiting) else self._on_device()
+        on_device = self._on_device()
         if on_device is not None:
-            self._run_on_device(on_device, results)
+            self._run_on_device(on_device, results, waiting)
             return
         self._host_passes(waiting, results)
         self._report_ends(results)
         self._save_cursors()
 
-    def _run_on_device(self, refill: DeviceRefill, results: ResultBuilder) -> None:
-        """The passes on the device; the rows' outputs and ends land when the result is built, or when
-        a later plan needs the host's cursors (DecodeCursors.settle), whichever comes first."""
-        landing = _Landing(self, refill, refill.run(self.rows))
+    def _run_on_device(self, refill: DeviceRefill, results: ResultBuilder, waiting: np.ndarray | None = None) -> None:
+        """The passes on the device, then the boundary work of the `waiting` rows (behind riding chunks:
+        they join the next plan); the rows' outputs and ends land when the result is built, or when a
+        later plan needs the host's cursors (DecodeCursors.settle), whichever comes first."""
+        refill.run_passes(self.rows)
+        if waiting is not None:
+            self._after_prefill(waiting, results)  # before the copies: they carry the rows' exit states
+        landing = _Landing(self, refill, refill.copy_out(self.rows))
         cursors = self.runner.decode_cursors
         cursors.pending.append(landing)
 

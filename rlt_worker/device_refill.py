@@ -36,9 +36,17 @@ docs/benchmarks.md).
 The buffers live per rows bucket for the worker's life (the graphs read them at fixed addresses);
 graphs are captured at a bucket's first use (`lazy_captures`). When it runs (`DeviceRefill.plan`,
 once per batch): `device_refill` is on, the passes and the test replay from graphs, refill is on,
-the coda has no attention (Ouro), every row is greedy and none forces tokens, no prompt chunk rides
-the passes, and the plan has at most MAX_PASSES passes. Otherwise the host-driven loop runs. (A
-test's pass_listener costs a readback per pass here.)
+the coda has no attention (Ouro), every row is greedy and none forces tokens, the plan has at most
+MAX_PASSES passes, and riding prompt chunks (mixed batches) fit a mixed graph's chunk bucket.
+Otherwise the host-driven loop runs. (A test's pass_listener costs a readback per pass here.)
+
+Riding chunks. While a plan's PREFILL chunks have loops left, a pass replays the graph of the same
+pass with the mixed graphs' loop over both parts (rlt_worker/mixed_graphs.py: the bucket's rows at
+their slots, the chunks at loop depth + 1 from that family's static chunk buffers, staged by the host
+before each replay); the passes after them replay the plain graph. A row behind its prompt's riding
+last chunk (its output 0) is not among the device's rows: after the passes the chunks' loops left
+run and its boundary work runs on the host, before the copies out, and its next position joins the
+next plan (a plan runs at most D passes while a first token is pending, so it loses no pass).
 """
 
 from __future__ import annotations
@@ -69,6 +77,8 @@ MAX_PASSES = 64  # outputs a row may record in one plan (the buffers' width; loo
 # Rows of RefillBuffers.columns (int64 [COLUMNS, R]); RUNNING and FINISHED hold 0 or 1.
 SLOTS, POSITIONS, DEPTHS, INDICES, LAST, COVERED, RUNNING, FINISHED, SEEDS, COUNT = range(10)
 COLUMNS = 10
+ChunkKey = tuple[int, int]  # (tokens, chunks): the prefill bucket of prompt chunks riding a pass
+RefillKey = tuple[int, int, ExitTest, ChunkKey | None]  # (rows, width, test, riding chunks' bucket)
 
 
 class RefillBuffers:
@@ -94,19 +104,21 @@ class RefillGraphs:
         self.passes = passes
         self.runner = passes.runner
         self.buffers = {b: RefillBuffers(b, self.runner.device) for b in passes.row_buckets}
-        self._graphs: dict[tuple[int, int, ExitTest], Any] = {}
+        self._graphs: dict[RefillKey, Any] = {}
         self.resident: ResidentRows | None = None  # the last device-refill plan's rows (DeviceRefill.resume)
         self.error: str | None = None  # a capture failed: DecodeBatches take the host loop from now on
 
-    def graph(self, rows: int, width: int, exit_test: ExitTest) -> Any:
-        """The key's graph (captured now at its first use), or None after a failed capture."""
-        key = (rows, width, exit_test)
+    def graph(self, rows: int, width: int, exit_test: ExitTest, chunks: ChunkKey | None = None) -> Any:
+        """The key's graph (captured now at its first use), or None after a failed capture. `chunks`: the
+        (tokens, chunks) bucket of prompt chunks riding the pass (a mixed graph's chunk rows)."""
+        key = (rows, width, exit_test, chunks)
         if key not in self._graphs and self.error is None and self.passes.stats.error is None:
             # The warm-up points the bucket's rows at the dummy slot: keep the resident rows' columns.
             resident = self.buffers[rows].columns.clone()
             try:
                 self._graphs[key] = self.passes._capture(
-                    functools.partial(self._pass, rows, width, make_exit_test(exit_test)), self._warm_up(rows))
+                    functools.partial(self._pass, rows, width, make_exit_test(exit_test), chunks),
+                    functools.partial(self._point_at_dummy, rows, width, chunks))
                 self.passes.stats.lazy_captures += 1
                 self.passes.stats.refill_captures += 1
             except Exception as exc:  # keep serving: the host loop runs these batches
@@ -115,18 +127,19 @@ class RefillGraphs:
             self.buffers[rows].columns.copy_(resident)
         return self._graphs.get(key)
 
-    def _warm_up(self, rows: int) -> functools.partial:
-        """No row running, every row on the dummy slot: warm-up passes touch only what no real row owns."""
-        return functools.partial(self._point_at_dummy, rows)
-
-    def _point_at_dummy(self, rows: int) -> None:
+    def _point_at_dummy(self, rows: int, width: int, chunks: ChunkKey | None) -> None:
+        """No row running, every row on the dummy slot, chunk rows on padding: warm-up passes touch only
+        what no real row owns."""
         columns = self.buffers[rows].columns
         columns.zero_()
         columns[SLOTS].fill_(self.runner.dummy_slot)
         columns[LAST].fill_(-1)
+        if chunks is not None:
+            self.passes.mixed.point_at_padding((rows, width, *chunks))
 
-    def _pass(self, rows: int, width: int, test: Any) -> None:
-        """The captured function: one pass of the bucket's rows with its boundary work (module docstring)."""
+    def _pass(self, rows: int, width: int, test: Any, chunks: ChunkKey | None) -> None:
+        """The captured function: one pass of the bucket's rows with its boundary work (module docstring),
+        with the riding chunks' next loop in it when `chunks` names their bucket."""
         runner, passes, b = self.runner, self.passes, self.buffers[rows]
         c, dummy = b.columns, runner.dummy_slot
         slots, positions, depths, indices = c[SLOTS], c[POSITIONS], c[DEPTHS], c[INDICES]
@@ -135,7 +148,10 @@ class RefillGraphs:
         index = passes.static_rows(rows)  # the loop pass's static inputs, read by the test too
         index.copy_(torch.stack([torch.where(running, slots, dummy), torch.where(running, positions, 0),
                                  torch.where(running, depths, 1)]))
-        passes._pass(rows, width)
+        if chunks is None:
+            passes._pass(rows, width)
+        else:
+            passes.mixed._pass((rows, width, *chunks))
         exits = test.apply(runner, index[0], index[1], index[2], passes.max_width, None) & running
         runner.finalize_on_device(slots, positions, torch.where(exits, depths, runner.config.max_depth))
         tokens, logprobs = runner.sample_on_device(index[0], b.params, True)
@@ -171,14 +187,24 @@ class ResidentRows:
     position_bound: int  # ≥ every row's position (a pass advances a position by at most one)
 
 
+@dataclass(frozen=True)
+class RidingGraph:
+    """The pass graph of a plan's first passes, while prompt chunks ride them (mixed batches)."""
+
+    graph: Any
+    chunks: ChunkKey  # their prefill bucket
+
+
 class DeviceRefill:
-    """One plan's passes through its bucket's RefillBuffers and graph."""
+    """One plan's passes through its bucket's RefillBuffers and graph (`riding`: the graph whose passes
+    also run the riding chunks' next loop, while they have loops left)."""
 
     def __init__(self, runner: ModelRunner, graph: Any, buffers: RefillBuffers, looping: np.ndarray,
-                 max_passes: int, exit_test: ExitTest, position_bound: int) -> None:
+                 max_passes: int, exit_test: ExitTest, position_bound: int, riding: RidingGraph | None) -> None:
         self.runner, self.graph, self.buffers = runner, graph, buffers
         self.looping, self.max_passes = looping, max_passes
         self.exit_test, self.position_bound = exit_test, position_bound
+        self.riding = riding
 
     @classmethod
     def plan(cls, runner: ModelRunner, exit_step: EagerExitStep, refill: bool, rows: _Rows, looping: np.ndarray,
@@ -192,7 +218,8 @@ class DeviceRefill:
         # Positions advance at most one a pass: the widest context any pass of the plan can need.
         bound = int(rows.positions[looping].max())
         found = runner.refill_graph(len(looping), bound + max_passes, exit_step.exit_test)
-        if found is None:
+        riding = cls._riding_graph(runner, len(looping), bound + max_passes, exit_step.exit_test)
+        if found is None or (runner.has_riding_loops and riding is None):
             return None
         graph, buffers = found
         bucket, n = buffers.columns.shape[1], len(looping)
@@ -204,7 +231,7 @@ class DeviceRefill:
             host[row, :n] = values[looping]
         host[RUNNING, :n] = 1
         runner.upload_into(buffers.columns, host)
-        return cls(runner, graph, buffers, looping, max_passes, exit_step.exit_test, bound)
+        return cls(runner, graph, buffers, looping, max_passes, exit_step.exit_test, bound, riding)
 
     @classmethod
     def resume(cls, runner: ModelRunner, exit_step: EagerExitStep, refill: bool, slots: np.ndarray,
@@ -218,8 +245,10 @@ class DeviceRefill:
                 or exit_step.exit_test != resident.exit_test or runner.forces_tokens(slots)):
             return None
         # The same rows: the same rows bucket, so the graph found runs over the resident buffers.
-        found = runner.refill_graph(len(slots), resident.position_bound + max_passes, resident.exit_test)
-        if found is None:
+        max_position = resident.position_bound + max_passes
+        found = runner.refill_graph(len(slots), max_position, resident.exit_test)
+        riding = cls._riding_graph(runner, len(slots), max_position, resident.exit_test)
+        if found is None or (runner.has_riding_loops and riding is None):
             return None
         runner.count_refill_resumed()
         c, n = resident.buffers.columns, len(slots)
@@ -228,29 +257,43 @@ class DeviceRefill:
         c[COUNT].zero_()
         c[RUNNING] = (c[FINISHED] == 0) & ((c[POSITIONS] + 1 < c[COVERED]) | (c[INDICES] == c[LAST]))
         return cls(runner, found[0], resident.buffers, np.arange(n), max_passes, resident.exit_test,
-                   resident.position_bound)
+                   resident.position_bound, riding)
 
     @staticmethod
     def _qualifies(runner: ModelRunner, exit_step: EagerExitStep, refill: bool, slots: np.ndarray,
                    max_passes: int) -> bool:
         return (runner.config.device_refill and refill and max_passes <= MAX_PASSES
-                and isinstance(exit_step, GraphedExitStep) and not runner.has_riding_loops
-                and bool(runner.host_greedy[slots].all()))
+                and isinstance(exit_step, GraphedExitStep) and bool(runner.host_greedy[slots].all()))
 
-    def run(self, rows: _Rows) -> HostCopies:
-        """Up to max_passes passes; returns the looping rows' columns and outputs and every row's exit
-        state on their way to the host, nothing waited for at the end."""
+    @staticmethod
+    def _riding_graph(runner: ModelRunner, num_rows: int, max_position: int, exit_test: ExitTest
+                      ) -> RidingGraph | None:
+        """The pass graph with the riding chunks in it, when chunks ride and a mixed graph takes them."""
+        chunks = runner.riding_chunk_bucket() if runner.has_riding_loops else None
+        found = None if chunks is None else runner.refill_graph(num_rows, max_position, exit_test, chunks)
+        return None if found is None else RidingGraph(found[0], chunks)
+
+    def run_passes(self, rows: _Rows) -> None:
+        """Up to max_passes passes, the first ones with the riding chunks' loops while they have any;
+        nothing waited for at the end."""
         alive: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        runner, bucket = self.runner, self.buffers.columns.shape[1]
         for p in range(self.max_passes):
             if p >= LEAD and not self._still_running(*alive[p - LEAD]):
                 break
-            if self.runner.pass_listener is not None:  # tests: a readback per pass
-                self.runner.report_refill_pass(self.buffers.columns[[SLOTS, POSITIONS, DEPTHS]],
-                                               self.buffers.columns[RUNNING] > 0)
-            self.graph.replay()
+            if runner.pass_listener is not None:  # tests: a readback per pass
+                runner.report_refill_pass(self.buffers.columns[[SLOTS, POSITIONS, DEPTHS]],
+                                          self.buffers.columns[RUNNING] > 0)
+            if self.riding is not None and runner.has_riding_loops:
+                runner.ride_refill_pass(self.riding.graph.replay, self.riding.chunks, len(self.looping), bucket)
+            else:
+                self.graph.replay()
             alive.append(self._running_flag())
-        self.runner.refill_resident = ResidentRows(self.buffers, rows.slots[self.looping], self.exit_test,
-                                                   self.position_bound + len(alive))
+        runner.refill_resident = ResidentRows(self.buffers, rows.slots[self.looping], self.exit_test,
+                                              self.position_bound + len(alive))
+
+    def copy_out(self, rows: _Rows) -> HostCopies:
+        """The looping rows' columns and outputs and every row's exit state on their way to the host."""
         n, b = len(self.looping), self.buffers
         (device_slots,) = self.runner.upload(rows.slots)
         return self.runner.copy_out(b.columns[:, :n], b.outputs[:, :n], b.logprobs[:n],

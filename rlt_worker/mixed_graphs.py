@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -76,25 +77,32 @@ class MixedGraphs:
     def run(self, slots: np.ndarray, positions: np.ndarray, depths: np.ndarray, riding: PrefillRows) -> bool:
         """One loop pass of these slot rows and of the riding chunks' next loop, from a graph (the
         chunks' state then advanced); False (nothing run) when no graph takes them."""
-        stats, chunks = self.passes.stats, riding.host
         rows_key = self._rows_key(len(slots), int(positions.max()))
-        chunk_key = self.buffers.bucket(chunks)
+        chunk_key = self.buffers.bucket(riding.host)
         graph = None if rows_key is None or chunk_key is None else self._graph((*rows_key, *chunk_key))
         if graph is None:
-            stats.mixed_eager += 1
+            self.passes.stats.mixed_eager += 1
             return False
         self.passes.write_rows(rows_key[0], slots, positions, depths)
+        self.ride(riding, chunk_key, graph.replay, len(slots), rows_key[0])
+        return True
+
+    def ride(self, riding: PrefillRows, chunk_key: tuple[int, int], replay: Callable[[], None], num_rows: int,
+             padded_rows: int) -> None:
+        """The riding chunks' next loop into the bucket's static chunk buffers, `replay` (a graph whose
+        pass holds them and its slot rows, already staged), then the chunks' state advanced."""
+        chunks = riding.host
         layout = pad_chunks(chunks, *chunk_key, self.passes.dummy_slot, depth=riding.depth + 1)  # their next loop
         static = self.buffers.upload(chunk_key, layout)
         n = chunks.num_rows
         static.state[:n] = riding.state
         static.embedded[:n] = riding.embedded
-        graph.replay()
+        replay()
         riding.advance(static.state[:n].clone())  # the next pass overwrites the static state
+        stats = self.passes.stats
         stats.mixed_replays += 1
-        stats.mixed_rows += len(slots) + n
-        stats.mixed_padded_rows += rows_key[0] + chunk_key[0] - len(slots) - n
-        return True
+        stats.mixed_rows += num_rows + n
+        stats.mixed_padded_rows += padded_rows + chunk_key[0] - num_rows - n
 
     def _rows_key(self, num_rows: int, max_position: int) -> tuple[int, int] | None:
         """The slot rows' (rows, width): the decode bucket's width, the rows padded to slot_rows(); None
@@ -112,7 +120,7 @@ class MixedGraphs:
             return None
         try:
             self._graphs[key] = self.passes._capture(functools.partial(self._pass, key),
-                                                     functools.partial(self._warm_up, key))
+                                                     functools.partial(self.point_at_padding, key))
         except Exception as exc:  # keep serving: mixed passes run eagerly from now on
             log.exception("CUDA graph capture of a mixed pass (%d rows × %d blocks, %d tokens × %d chunks) "
                           "failed; mixed passes run eagerly", *key)
@@ -122,15 +130,16 @@ class MixedGraphs:
         stats.mixed_captures += 1
         return self._graphs[key]
 
-    def _warm_up(self, key: MixedKey) -> None:
-        """Point both parts at padding rows only (the dummy slot and the scratch block)."""
+    def point_at_padding(self, key: MixedKey) -> None:
+        """Point both parts at padding rows only (the dummy slot and the scratch block): a capture's warm-up."""
         rows, _, tokens, chunks = key
         none = np.zeros(0, dtype=np.int64)
         self.passes.write_rows(rows, none, none, none)
         self.buffers.upload((tokens, chunks), pad_chunks(HostChunks.empty(), tokens, chunks, self.passes.dummy_slot))
 
     def _pass(self, key: MixedKey) -> None:
-        """The captured function: one loop of the key's static slot rows and static chunk rows."""
+        """The captured function: one loop of the key's static slot rows and static chunk rows (also the
+        loop of a device-refill pass that chunks ride: rlt_worker/device_refill.py)."""
         rows, width, tokens, chunks = key
         runner = self.runner
         slots, positions, depths = self.passes.static_rows(rows)

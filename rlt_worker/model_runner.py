@@ -616,16 +616,33 @@ class ModelRunner:
         if self._graphs is not None and self._graphs.refill is not None:
             self._graphs.refill.resident = rows
 
-    def refill_graph(self, num_rows: int, max_position: int, exit_test: ExitTest) -> tuple[Any, RefillBuffers] | None:
-        """The device-refill pass of `num_rows` rows up to `max_position` and its bucket's buffers; None
-        without graphs, for a coda that attends, when no bucket fits or capturing failed."""
+    def refill_graph(self, num_rows: int, max_position: int, exit_test: ExitTest,
+                     chunks: tuple[int, int] | None = None) -> tuple[Any, RefillBuffers] | None:
+        """The device-refill pass of `num_rows` rows up to `max_position` (`chunks`: with riding prompt
+        chunks of that prefill bucket in it) and its bucket's buffers; None without graphs, for a coda
+        that attends, when no bucket fits or capturing failed."""
         refill = None if self._graphs is None else self._graphs.refill
         key = None if refill is None else self._graphs.bucket(num_rows, max_position)
-        graph = None if key is None else refill.graph(*key, exit_test)
+        graph = None if key is None else refill.graph(*key, exit_test, chunks)
         if graph is None:
             return None
-        self._graphs.stats.device_refill_plans += 1
+        if chunks is None:
+            self._graphs.stats.device_refill_plans += 1
         return graph, refill.buffers[key[0]]
+
+    def riding_chunk_bucket(self) -> tuple[int, int] | None:
+        """The mixed graphs' (tokens, chunks) bucket of the riding prompt chunks; None without mixed
+        graphs, riding chunks, or a bucket that holds them."""
+        mixed = None if self._graphs is None else self._graphs.mixed
+        return None if mixed is None or self._riding is None else mixed.buffers.bucket(self._riding.host)
+
+    def ride_refill_pass(self, replay: Callable[[], None], chunks: tuple[int, int], num_rows: int,
+                         padded_rows: int) -> None:
+        """A device-refill pass (`replay`) that also runs the riding chunks' next loop (their bucket `chunks`)."""
+        assert self._graphs is not None and self._graphs.mixed is not None and self._riding is not None
+        self._graphs.stats.mixed_passes += 1
+        self._graphs.stats.refill_riding_passes += 1
+        self._graphs.mixed.ride(self._riding, chunks, replay, num_rows, padded_rows)
 
     def count_refill_resumed(self) -> None:
         """GraphStats: a device-refill plan resumed its rows where the last one left them."""

@@ -32,7 +32,7 @@ def _run(mode: str, layout: str, device_refill: bool, jobs: list, **options: obj
     with make_llm("toy-ouro", **(settings | options)) as llm:
         runner = llm.engine.executor._worker.runner
         runner.config = dataclasses.replace(runner.config, device_refill=device_refill)
-        runner.use_pass_graphs(emulate=True)
+        runner.use_pass_graphs(emulate=True, mixed=bool(options.get("mixed_batches")))
         run = run_workload(llm, jobs)
         run.assert_resources_returned()
         run.graph_stats = runner.graph_stats
@@ -68,6 +68,26 @@ def test_sampled_rows_keep_the_host_loop() -> None:
     run = _run("ouro", "last_exited", True, jobs)
     assert_matches_reference(run, "toy-ouro", kv_layout="last_exited", exit_mode="ouro")
     assert run.graph_stats["device_refill_plans"] == 0
+
+
+@pytest.mark.parametrize(("layout", "in_flight"), [("last_exited", 1), ("shared", 1), ("last_exited", 2)])
+def test_riding_prompt_chunks_keep_device_refill(layout: str, in_flight: int) -> None:
+    """Mixed batches under ouro: prompt chunks (up to four of 8 tokens) ride device-refill passes, from
+    the mixed graphs' family, and a prompt's first token follows its last riding chunk in the same plan;
+    the outputs are the host loop's (the same passes read back one by one) and the reference's, also with
+    two plans in flight."""
+    jobs = make_workload(random.Random(f"device-refill-mixed-{layout}"), 8, depth=DEPTH["toy-ouro"],
+                         exit_mode="ouro", threshold=0.5, sampling=("greedy",), max_prompt_len=30, max_tokens=9,
+                         vary_limits=True, spread=2)
+    options = dict(mixed_batches=True, prefill_chunk_size=8, max_num_seqs=4, max_plans_in_flight=in_flight)
+    on_device = _run("ouro", layout, True, jobs, **options)
+    host = _run("ouro", layout, False, jobs, **options)
+    assert _finals(on_device) == _finals(host)
+    assert_matches_reference(on_device, "toy-ouro", kv_layout=layout, exit_mode="ouro")
+    stats = on_device.graph_stats
+    assert stats["refill_riding_passes"] > 0 and stats["device_refill_plans"] > 0, stats
+    assert stats["mixed_eager"] == 0 and stats["mixed_replays"] == stats["mixed_passes"], stats
+    assert host.graph_stats["refill_riding_passes"] == host.graph_stats["device_refill_plans"] == 0
 
 
 def _results_land_late(monkeypatch: pytest.MonkeyPatch) -> None:
