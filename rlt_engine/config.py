@@ -13,6 +13,7 @@ from rlt_engine.exit_policy import worker_exit_tests
 
 EXIT_MODES = ("fixed", "trace", "ouro", "ouro_delayed", "kl", "latent_diff")
 PLANNED_MODES = ("fixed", "trace")  # every exit depth known before the loop runs
+DEVICE_REFILL_MODES = ("ouro", "ouro_delayed")  # gate exits whose greedy rows' passes run on the device
 
 
 def default_device() -> str:
@@ -110,8 +111,8 @@ class EngineConfig:
                                             "max_num_batched_tokens, from a CUDA graph captured at first use "
                                             "where graphs are on), so a new prompt does not stall decodes "
                                             "(default: on with CUDA graphs for exit modes fixed and trace, "
-                                            "off otherwise: a gate's greedy rows keep device refill, which "
-                                            "a riding chunk turns off)")
+                                            "and for ouro and ouro_delayed with device_refill, whose passes "
+                                            "chunks ride; off otherwise)")
     enable_prefix_caching: bool = _opt(True, "share the K/V of full prompt blocks between requests on a worker "
                                              "(keyed by a hash chain of their tokens), kept after their last "
                                              "user finishes and evicted least recently used when blocks run short")
@@ -176,9 +177,11 @@ class EngineConfig:
         # The CPU computes a plan as it is submitted: nothing would overlap, and the float64 suites
         # keep their one-plan-at-a-time reading of a step.
         in_flight = self.max_plans_in_flight or (2 if on_cuda else 1)
-        # Mixed batches pay where exits are planned (H200, c = 32, two calls: trace 1.06-1.07×, fixed 1.07×; design.md,
-        # "Mixed batches"); under a gate they would cost its greedy rows device refill (ouro 0.85×).
-        mixed = self.mixed_batches if self.mixed_batches is not None else graphs and self.exit_mode in PLANNED_MODES
+        # Mixed batches pay where exits are planned (H200, c = 32, two calls: trace 1.06-1.07×, fixed 1.07×) and
+        # where device refill runs the gate (ouro 1.087× at c = 32, 1.021× at c = 128; design.md, "Mixed batches").
+        # kl and latent_diff were not measured with them.
+        mixing_modes = PLANNED_MODES + (DEVICE_REFILL_MODES if self.device_refill else ())
+        mixed = self.mixed_batches if self.mixed_batches is not None else graphs and self.exit_mode in mixing_modes
         return dataclasses.replace(
             self, model=resolve_model(self.model), device=device, dtype=dtype, attention_backend=backend,
             cuda_graphs=graphs, cuda_graph_prefill=self.cuda_graph_prefill and graphs, fused_layers=fused,

@@ -24,8 +24,8 @@ c requests in flight until 2·c (`--requests-factor`) have been submitted, each 
                  the workload without the suffix on an engine with `mixed_batches` on (prompt chunks
                  ride the decode rows' loop passes) or off (they run passes of their own), so one grid
                  compares tokens/s and ITL p50/p99 with mixing on and off; without a suffix the
-                 engine's default holds (on for fixed and trace with CUDA graphs) (not in the default
-                 list)
+                 engine's default holds (on with CUDA graphs for fixed, trace, ouro and ouro_delayed)
+                 (not in the default list)
     exit fixed_uncapped, trace_uncapped, ouro_uncapped, kl_uncapped, latent_diff_uncapped
                  the workload without the suffix on an engine with max_prefill_tokens_while_decoding
                  = 0 (a step carries prompt tokens up to max_num_batched_tokens while others decode),
@@ -61,7 +61,7 @@ as partial; medians use the complete runs when there is one), and the whole grid
     rlt-bench throughput --model toy-ouro --device cpu --prompt-len 16 --output-len 8 --concurrency 1,4
     rlt-bench throughput --exit shared_prefix_cached,shared_prefix_uncached --prompt-len 1024 \
         --shared-prefix-len 960 --output-len 32 --concurrency 64 --requests-factor 1   # issue 21's workload
-    rlt-bench throughput --exit trace_separate,trace,ouro,ouro_mixed --concurrency 32 --workers 0   # mixing off / on
+    rlt-bench throughput --exit trace_separate,trace,ouro_separate,ouro --concurrency 32 --workers 0   # mixing off / on
     rlt-bench throughput --exit trace,trace_uncapped --concurrency 32 --workers 0   # prefill cap on / off
 """
 
