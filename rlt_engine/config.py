@@ -111,8 +111,8 @@ class EngineConfig:
                                             "max_num_batched_tokens, from a CUDA graph captured at first use "
                                             "where graphs are on), so a new prompt does not stall decodes "
                                             "(default: on with CUDA graphs for exit modes fixed and trace, "
-                                            "and for ouro and ouro_delayed with device_refill, whose passes "
-                                            "chunks ride; off otherwise)")
+                                            "and for ouro, ouro_delayed and the model's default with "
+                                            "device_refill, whose passes chunks ride; off otherwise)")
     enable_prefix_caching: bool = _opt(True, "share the K/V of full prompt blocks between requests on a worker "
                                              "(keyed by a hash chain of their tokens), kept after their last "
                                              "user finishes and evicted least recently used when blocks run short")
@@ -180,7 +180,8 @@ class EngineConfig:
         # Mixed batches pay where exits are planned (H200, c = 32, two calls: trace 1.06-1.07×, fixed 1.07×) and
         # where device refill runs the gate (ouro 1.087× at c = 32, 1.021× at c = 128; design.md, "Mixed batches").
         # kl and latent_diff were not measured with them.
-        mixing_modes = PLANNED_MODES + (DEVICE_REFILL_MODES if self.device_refill else ())
+        # exit_mode None is the model's default, ouro (a gate) or fixed: both mix while device refill is on.
+        mixing_modes = PLANNED_MODES + (DEVICE_REFILL_MODES + (None,) if self.device_refill else ())
         mixed = self.mixed_batches if self.mixed_batches is not None else graphs and self.exit_mode in mixing_modes
         return dataclasses.replace(
             self, model=resolve_model(self.model), device=device, dtype=dtype, attention_backend=backend,

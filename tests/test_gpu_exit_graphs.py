@@ -31,8 +31,9 @@ MODES = ["ouro", "ouro_delayed"]
 
 
 def _llm(mode: str, **options: object) -> LLM:
+    # Mixed batches off: both sides of a comparison run the same passes (tests/test_gpu.py covers mixing).
     return LLM("toy-ouro", workers=0, device="cuda", dtype="float32", exit_mode=mode, attention_backend="triton",
-               cuda_graphs=True, num_blocks=512, max_num_seqs=8, **options)
+               cuda_graphs=True, num_blocks=512, max_num_seqs=8, mixed_batches=False, **options)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -42,8 +42,10 @@ def _run(dtype: str, lengths: list[int], prefill_graphs: bool, emulate: bool = F
     rng = random.Random(f"prefill-graphs-{lengths}")
     prompts = [[rng.randrange(49152) for _ in range(n)] for n in lengths]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1, exit_threshold=OURO_THRESHOLD)
+    # Mixed batches off: a chunk that rode decode passes would take no prefill graph.
     with LLM(MODEL, workers=0, device="cuda", dtype=dtype, exit_mode="ouro", num_blocks=512, max_num_seqs=16,
-             prefill_chunk_size=512, cuda_graph_capture="lazy", cuda_graph_prefill=prefill_graphs) as llm:
+             prefill_chunk_size=512, cuda_graph_capture="lazy", cuda_graph_prefill=prefill_graphs,
+             mixed_batches=False) as llm:
         runner = llm.engine.executor._worker.runner
         if emulate:  # the same padded functions, run eagerly in place of every replay
             runner.use_pass_graphs(emulate=True, prefill=True)

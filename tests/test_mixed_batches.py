@@ -360,18 +360,19 @@ if __name__ == "__main__":
     ("cuda", "trace", None, True), ("cuda", "fixed", None, True),  # planned exits: on by default
     ("cuda", "ouro", None, True), ("cuda", "ouro_delayed", None, True),  # chunks ride device refill's passes
     ("cuda", "kl", None, False),  # not measured with mixing
-    ("cuda", None, None, False),  # the model's default mode is not known here: off
+    ("cuda", None, None, True),  # the model's default mode, ouro or fixed: either mixes
     ("cpu", "trace", None, False),  # no CUDA graphs: off (mixing was measured only with mixed graphs)
     ("cuda", "trace", False, False), ("cuda", "ouro", True, True), ("cpu", "fixed", True, True),  # as asked
 ])
 def test_mixed_batches_default(device: str, exit_mode: str | None, asked: bool | None, resolved: bool) -> None:
     """mixed_batches = None resolves once, at construction: on with CUDA graphs for fixed and trace, and
-    for ouro and ouro_delayed while device refill runs their greedy rows (off without it)."""
+    for ouro, ouro_delayed and the model's default (ouro or fixed) while device refill runs a gate's
+    greedy rows (off without it)."""
     from rlt_engine.config import EngineConfig
 
     config = EngineConfig(model="toy-ouro", device=device, exit_mode=exit_mode, mixed_batches=asked).resolved()
     assert config.mixed_batches is resolved
     assert config.worker_config(device).mixed_graphs is (resolved and device == "cuda")
-    if exit_mode == "ouro" and asked is None:
+    if exit_mode in ("ouro", None) and asked is None:
         assert EngineConfig(model="toy-ouro", device=device, exit_mode=exit_mode,
                             device_refill=False).resolved().mixed_batches is False
