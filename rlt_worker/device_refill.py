@@ -151,7 +151,7 @@ class RefillGraphs:
         if chunks is None:
             passes._pass(rows, width)
         else:
-            passes.mixed._pass((rows, width, *chunks))
+            passes.mixed.stacked_pass((rows, width, *chunks))
         exits = test.apply(runner, index[0], index[1], index[2], passes.max_width, None) & running
         runner.finalize_on_device(slots, positions, torch.where(exits, depths, runner.config.max_depth))
         tokens, logprobs = runner.sample_on_device(index[0], b.params, True)

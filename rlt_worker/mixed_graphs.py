@@ -119,7 +119,7 @@ class MixedGraphs:
         if len(self._graphs) >= MAX_GRAPHS:
             return None
         try:
-            self._graphs[key] = self.passes._capture(functools.partial(self._pass, key),
+            self._graphs[key] = self.passes._capture(functools.partial(self.stacked_pass, key),
                                                      functools.partial(self.point_at_padding, key))
         except Exception as exc:  # keep serving: mixed passes run eagerly from now on
             log.exception("CUDA graph capture of a mixed pass (%d rows × %d blocks, %d tokens × %d chunks) "
@@ -137,7 +137,7 @@ class MixedGraphs:
         self.passes.write_rows(rows, none, none, none)
         self.buffers.upload((tokens, chunks), pad_chunks(HostChunks.empty(), tokens, chunks, self.passes.dummy_slot))
 
-    def _pass(self, key: MixedKey) -> None:
+    def stacked_pass(self, key: MixedKey) -> None:
         """The captured function: one loop of the key's static slot rows and static chunk rows (also the
         loop of a device-refill pass that chunks ride: rlt_worker/device_refill.py)."""
         rows, width, tokens, chunks = key

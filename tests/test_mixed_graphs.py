@@ -32,7 +32,7 @@ def run_mixed(monkeypatch: pytest.MonkeyPatch | None = None, fail: bool = False)
             graphs, real = runner._graphs, runner._graphs._capture
 
             def capture(fn, warm_up):
-                if getattr(fn, "func", None) == graphs.mixed._pass:
+                if getattr(fn, "func", None) == graphs.mixed.stacked_pass:
                     raise RuntimeError("CUDA out of memory (simulated)")
                 return real(fn, warm_up)
 
@@ -59,7 +59,8 @@ def test_mixed_graph_cap(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_mixed_graph_option() -> None:
     on = EngineConfig(device="cuda", mixed_batches=True).resolved()
     assert on.worker_config("cuda").mixed_graphs
-    assert not EngineConfig(device="cuda").resolved().worker_config("cuda").mixed_graphs
+    assert not EngineConfig(device="cuda", mixed_batches=False).resolved().worker_config("cuda").mixed_graphs
+    assert not EngineConfig(device="cuda", exit_mode="kl").resolved().worker_config("cuda").mixed_graphs  # default off
     assert not EngineConfig(device="cuda", mixed_batches=True, cuda_graphs=False).resolved().worker_config(
         "cuda").mixed_graphs
     assert not EngineConfig(device="cpu", mixed_batches=True).resolved().worker_config("cpu").mixed_graphs
