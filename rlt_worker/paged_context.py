@@ -70,18 +70,21 @@ class PagedContext:
         self._outer_view = outer_view
         self._chunks = chunks
 
-    def attend(self, layer: LayerId, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: LayerId, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """This batch's K/V written, then q's attention over the caches (into `out` when given)."""
         view = self._view(layer)
         k_cache, v_cache = self._storage.caches(layer.index)
         self._backend.write_kv(k_cache, v_cache, k, v, view.slot_mapping)
-        return self._attention(view, q, k_cache, v_cache)
+        return self._attention(view, q, k_cache, v_cache, out)
 
-    def attend_rotary(self, layer: LayerId, qkv: torch.Tensor, rope: Rotary) -> torch.Tensor:
+    def attend_rotary(self, layer: LayerId, qkv: torch.Tensor, rope: Rotary, *,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
         """`attend` with q/k rotated in the K/V write's launch (the backend's write_kv_rotary)."""
         view = self._view(layer)
         k_cache, v_cache = self._storage.caches(layer.index)
         q = self._backend.write_kv_rotary(k_cache, v_cache, qkv, rope, view.slot_mapping)
-        return self._attention(view, q, k_cache, v_cache)
+        return self._attention(view, q, k_cache, v_cache, out)
 
     def _view(self, layer: LayerId) -> PagedPlaneView:
         view = self._loop_view if layer.in_loop else self._outer_view
@@ -90,16 +93,18 @@ class PagedContext:
         return view
 
     def _attention(
-        self, view: PagedPlaneView, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+        self, view: PagedPlaneView, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        out: torch.Tensor | None,
     ) -> torch.Tensor:
         """q's rows over the caches, once this batch's K/V is in them."""
         scale = q.shape[-1] ** -0.5
         chunks = self._chunks
         if chunks is None:
-            return self._backend.paged_attention(q, k_cache, v_cache, view.block_tables, self._context_lens, scale)
+            return self._backend.paged_attention(q, k_cache, v_cache, view.block_tables, self._context_lens, scale,
+                                                 out=out)
         return self._backend.prefill_attention(
             q, k_cache, v_cache, view.block_tables, chunks.cu_query_lens, chunks.start_positions, scale,
-            max_query_len=chunks.max_query_len,
+            max_query_len=chunks.max_query_len, out=out,
         )
 
 
@@ -111,19 +116,25 @@ class StackedContext:
     Each part writes its rows' K/V and attends through its own kernel (decode rows through
     paged_attention, chunks through prefill_attention); the model runs one GEMM per weight over all
     rows. The parts' rows never read each other's K/V (they are other sequences), so the order in
-    which the parts write and read does not matter.
+    which the parts write and read does not matter. Each part's kernel writes its rows of one output
+    tensor (no concatenation after them).
     """
 
     def __init__(self, parts: list[tuple[PagedContext, int]]) -> None:
         self._parts = parts
 
     def attend(self, layer: LayerId, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return torch.cat([context.attend(layer, q[rows], k[rows], v[rows]) for context, rows in self._rows()])
+        out = torch.empty_like(q)
+        for context, rows in self._rows():
+            context.attend(layer, q[rows], k[rows], v[rows], out=out[rows])
+        return out
 
     def attend_rotary(self, layer: LayerId, qkv: torch.Tensor, rope: Rotary) -> torch.Tensor:
         """Each part's attend_rotary over its rows (its rows' positions)."""
-        return torch.cat([context.attend_rotary(layer, qkv[rows], rope._replace(positions=rope.positions[rows]))
-                          for context, rows in self._rows()])
+        out = qkv.new_empty(qkv.shape[0], rope.num_heads, rope.head_dim)
+        for context, rows in self._rows():
+            context.attend_rotary(layer, qkv[rows], rope._replace(positions=rope.positions[rows]), out=out[rows])
+        return out
 
     def _rows(self) -> list[tuple[PagedContext, slice]]:
         """Each part's context and its rows in the batch."""

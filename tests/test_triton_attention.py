@@ -117,6 +117,20 @@ def _interp_float64() -> None:
     check(batch, atol=1e-12, rtol=1e-12, num_splits=2)
 
 
+def _interp_out_rows() -> None:
+    """Written into `out` (rows of a bigger tensor, as StackedContext passes them): the same values as
+    a new tensor, single and split, and the rows around it untouched."""
+    batch = make_batch(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, planes=2, seq_lens=[9, 21])
+    scale = batch["q"].shape[-1] ** -0.5
+    n = batch["q"].shape[0]
+    for splits in (1, 3):
+        want = tb.paged_attention(**batch, scale=scale, num_splits=splits)
+        around = torch.full((n + 4, *want.shape[1:]), float("nan"))
+        got = tb.paged_attention(**batch, scale=scale, num_splits=splits, out=around[2 : 2 + n])
+        assert got.data_ptr() == around[2].data_ptr() and torch.equal(got, want)
+        assert around[:2].isnan().all() and around[2 + n :].isnan().all()
+
+
 def _interp_write_kv() -> None:
     """write_kv stores K and V at the given slots of strided cache views, like torch_ref.write_kv."""
     gen = torch.Generator().manual_seed(1)
@@ -184,7 +198,8 @@ INTERP_CASES: dict[str, Callable[[], None]] = {
 } | {
     # Huginn's 55 heads (odd) × 96 (padded to 128), contiguous only: 55 heads make the interpreter slow
     "huginn-55h-d96": functools.partial(_interp_attention, 55, 55, 96, 16, 2, [18], False),
-    "float64": _interp_float64, "write_kv": _interp_write_kv, "finalize_kv": _interp_finalize_kv,
+    "float64": _interp_float64, "out-rows": _interp_out_rows, "write_kv": _interp_write_kv,
+    "finalize_kv": _interp_finalize_kv,
 }
 
 
@@ -272,6 +287,16 @@ def test_torch_finalize_kv_equals_the_literal_loop(planes: int, block_size: int)
     want = finalize_by_hand(pool, tables, slots, positions, depths)
     torch_ref.finalize_kv(pool, tables, slots, positions, depths)
     assert torch.equal(pool, want)
+
+
+def test_an_out_that_does_not_fit_q_raises() -> None:
+    """torch_ref (and through check_out the Triton backends) refuse an `out` of another shape or dtype."""
+    batch = make_batch(num_heads=2, num_kv_heads=2, head_dim=8, block_size=4, planes=1, seq_lens=[5])
+    q = batch["q"]
+    torch_ref.paged_attention(**batch, scale=1.0, out=torch.empty_like(q))
+    for bad in (torch.empty(q.shape[0] + 1, *q.shape[1:]), torch.empty_like(q, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="does not fit q"):
+            torch_ref.paged_attention(**batch, scale=1.0, out=bad)
 
 
 def test_cpu_tensors_without_interpreter_raise(compiled: None) -> None:

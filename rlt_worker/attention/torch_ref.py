@@ -50,11 +50,14 @@ def paged_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [N, Hq, Dh] over each row's first context_lens[i] cached positions.
 
     k_cache, v_cache: [num_blocks, block_size, Hkv, Dh]; block_tables: int [N, max_blocks];
-    context_lens: int [N] ≥ 1. Softmax in float32 (float64 for float64 inputs).
+    context_lens: int [N] ≥ 1. Softmax in float32 (float64 for float64 inputs). out: where to write
+    the result (q's shape and dtype; returned), else a new tensor.
     """
     num_rows, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -73,8 +76,18 @@ def paged_attention(
     valid = offsets[None, :] < context_lens[:, None]  # [N, T]
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("nht,nthd->nhd", probs, values.to(compute))
-    return out.to(q.dtype)
+    result = torch.einsum("nht,nthd->nhd", probs, values.to(compute)).to(q.dtype)
+    if out is None:
+        return result
+    check_out(out, q)
+    return out.copy_(result)
+
+
+def check_out(out: torch.Tensor, q: torch.Tensor) -> None:
+    """An attention's `out` must be q's shape and dtype, on q's device."""
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} on {out.device} does not fit q {tuple(q.shape)} "
+                         f"{q.dtype} on {q.device}")
 
 
 def finalize_kv(
@@ -131,14 +144,15 @@ def prefill_attention(
     scale: float,
     *,
     max_query_len: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of prefill chunks q [N, Hq, Dh] over their paged prefix and themselves.
 
     Chunk s's rows are q[cu_query_lens[s] : cu_query_lens[s + 1]], at positions start_positions[s] …;
     each reads positions 0 … its own through block_tables[s] (int [S, max_blocks], one row per
     chunk). The chunk's own K/V must already be in the cache (write_kv first). max_query_len (the
-    longest chunk, host-known) sizes the Triton grid; unused here.
+    longest chunk, host-known) sizes the Triton grid; unused here. out: as paged_attention's.
     """
     del max_query_len
     chunks, positions = chunk_rows(cu_query_lens, start_positions, q.shape[0])
-    return paged_attention(q, k_cache, v_cache, block_tables[chunks], positions + 1, scale)
+    return paged_attention(q, k_cache, v_cache, block_tables[chunks], positions + 1, scale, out=out)

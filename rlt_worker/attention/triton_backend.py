@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from rlt_worker.attention import torch_ref
 from rlt_worker.kernels.launch import PLAIN, KernelLaunch
 from rlt_worker.kernels.launch import interpreting as _interpreting
 
@@ -301,13 +302,15 @@ def paged_attention(
     num_splits: int | None = None,
     tile: int | None = None,
     launch: KernelLaunch = PLAIN,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [N, Hq, Dh] over each row's first context_lens[i] cached positions (torch_ref's contract).
 
     k_cache, v_cache: [num_blocks, block_size, Hkv, Dh], any strides (views of a bigger pool are read
     in place); block_tables: int32 [N, max_blocks], any strides; context_lens: int32 [N] ≥ 1 and
     ≤ max_blocks·block_size. num_splits / tile override the heuristics (tests, tuning). launch: how
-    the attention kernel and the split merge are launched (PDL or not).
+    the attention kernel and the split merge are launched (PDL or not). out: where to write the
+    result (q's shape and dtype, any row stride; returned), else a new tensor.
     """
     num_rows, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, kv_dim = k_cache.shape
@@ -320,7 +323,7 @@ def paged_attention(
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"dtype mismatch: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
     _check_device(q, k_cache, v_cache, block_tables, context_lens)
-    out = torch.empty_like(q)
+    out = _output(q, out)
     if num_rows == 0:
         return out
     context_lens = context_lens.to(torch.int32)  # no-op (no copy) when already int32
@@ -368,6 +371,14 @@ def paged_attention(
             HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=splits, S_PAD=triton.next_power_of_2(splits), ACC_F64=f64,
             **launch.kwargs(),
         )
+    return out
+
+
+def _output(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The attention's output tensor: `out` (checked against q) or a new one."""
+    if out is None:
+        return torch.empty_like(q)
+    torch_ref.check_out(out, q)
     return out
 
 

@@ -139,6 +139,7 @@ def prefill_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of prefill chunks over their paged prefix and themselves (torch_ref's contract).
 
@@ -147,7 +148,8 @@ def prefill_attention(
     a bigger pool are read in place), already holding the chunks' own K/V; block_tables int
     [S, max_blocks], one row per chunk, any strides; cu_query_lens int [S + 1], start_positions
     int [S]. max_query_len: the longest chunk, known on the host (N when not given: correct, but
-    the grid then has N / BLOCK_Q tiles per chunk). block_m … num_stages override the tuning.
+    the grid then has N / BLOCK_Q tiles per chunk). block_m … num_stages override the tuning. out:
+    where to write the result (q's shape and dtype, any row stride; returned), else a new tensor.
     """
     num_rows, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, kv_dim = k_cache.shape
@@ -165,8 +167,8 @@ def prefill_attention(
         # The oracle dtype (and dims too small for tl.dot) go row by row through the decode kernel.
         chunks, positions = torch_ref.chunk_rows(cu_query_lens, start_positions, num_rows)
         context_lens = (positions + 1).to(torch.int32)
-        return tb.paged_attention(q, k_cache, v_cache, block_tables[chunks], context_lens, scale)
-    out = torch.empty_like(q)
+        return tb.paged_attention(q, k_cache, v_cache, block_tables[chunks], context_lens, scale, out=out)
+    out = tb._output(q, out)
     if num_rows == 0 or num_chunks == 0:
         return out
 
