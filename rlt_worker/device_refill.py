@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 from protocol.messages import ExitTest, Stage
+from rlt_worker import mixed_graphs
 from rlt_worker.exit_graphs import EagerExitStep, GraphedExitStep
 from rlt_worker.exit_tests import EXIT_STATE, make_exit_test
 from rlt_worker.sampler import SamplingTensors
@@ -110,8 +111,11 @@ class RefillGraphs:
 
     def graph(self, rows: int, width: int, exit_test: ExitTest, chunks: ChunkKey | None = None) -> Any:
         """The key's graph (captured now at its first use), or None after a failed capture. `chunks`: the
-        (tokens, chunks) bucket of prompt chunks riding the pass (a mixed graph's chunk rows)."""
+        (tokens, chunks) bucket of prompt chunks riding the pass (a mixed graph's chunk rows); of those
+        keys, as of mixed graphs', at most mixed_graphs.MAX_GRAPHS are captured (None past it)."""
         key = (rows, width, exit_test, chunks)
+        if key not in self._graphs and chunks is not None and self.riding_keys() >= mixed_graphs.MAX_GRAPHS:
+            return None
         if key not in self._graphs and self.error is None and self.passes.stats.error is None:
             # The warm-up points the bucket's rows at the dummy slot: keep the resident rows' columns.
             resident = self.buffers[rows].columns.clone()
@@ -126,6 +130,10 @@ class RefillGraphs:
                 self.error = self.passes.stats.refill_error = f"{type(exc).__name__}: {exc}"
             self.buffers[rows].columns.copy_(resident)
         return self._graphs.get(key)
+
+    def riding_keys(self) -> int:
+        """Graphs captured with riding chunks in their pass."""
+        return sum(key[3] is not None for key in self._graphs)
 
     def _point_at_dummy(self, rows: int, width: int, chunks: ChunkKey | None) -> None:
         """No row running, every row on the dummy slot, chunk rows on padding: warm-up passes touch only

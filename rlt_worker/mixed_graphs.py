@@ -52,7 +52,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rlt.worker")
 
-MAX_GRAPHS = 256  # mixed-pass graphs a worker captures at most (each holds its kernels' launch records)
+# Mixed-pass graphs a worker captures at most (each holds its kernels' launch records), and as many
+# device-refill pass graphs with riding chunks (rlt_worker/device_refill.py), counted apart.
+MAX_GRAPHS = 256
 # Slot rows of a mixed pass are padded to a power of two below this, and to a multiple of it from there.
 # Finer than the decode graphs' powers of two: with hundreds of chunk rows beside them a pass's GEMMs
 # are compute-bound, so a padded slot row costs what a real one does, where a decode pass's GEMMs read

@@ -15,6 +15,8 @@ from protocol.messages import ExitTest
 from rlt_engine import SamplingParams
 from rlt_engine.config import EngineConfig
 from rlt_engine.executor.inproc import InprocExecutor
+from rlt_worker import mixed_graphs
+from rlt_worker.device_refill import RefillGraphs
 from rlt_worker.step_results import PendingResult, ResultBuilder
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -88,6 +90,23 @@ def test_riding_prompt_chunks_keep_device_refill(layout: str, in_flight: int) ->
     assert stats["refill_riding_passes"] > 0 and stats["device_refill_plans"] > 0, stats
     assert stats["mixed_eager"] == 0 and stats["mixed_replays"] == stats["mixed_passes"], stats
     assert host.graph_stats["refill_riding_passes"] == host.graph_stats["device_refill_plans"] == 0
+
+
+def test_riding_device_refill_graphs_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past mixed_graphs.MAX_GRAPHS riding keys, a plan of a new key takes the host loop (its mixed passes
+    from mixed graphs, also capped); the key captured keeps replaying, and the outputs do not change."""
+    monkeypatch.setattr(mixed_graphs, "MAX_GRAPHS", 1)
+    jobs = make_workload(random.Random("device-refill-mixed-last_exited"), 8, depth=DEPTH["toy-ouro"],
+                         exit_mode="ouro", threshold=0.5, sampling=("greedy",), max_prompt_len=30, max_tokens=9,
+                         vary_limits=True, spread=2)
+    options = dict(mixed_batches=True, prefill_chunk_size=8, max_num_seqs=4)
+    riding_keys: list[int] = []
+    real = RefillGraphs.riding_keys
+    monkeypatch.setattr(RefillGraphs, "riding_keys", lambda self: riding_keys.append(real(self)) or riding_keys[-1])
+    capped = _run("ouro", "last_exited", True, jobs, **options)
+    assert _finals(capped) == _finals(_run("ouro", "last_exited", False, jobs, **options))
+    assert max(riding_keys) == 1 and capped.graph_stats["refill_riding_passes"] > 0, capped.graph_stats
+    assert capped.graph_stats["mixed_replays"] > capped.graph_stats["refill_riding_passes"], capped.graph_stats
 
 
 def _results_land_late(monkeypatch: pytest.MonkeyPatch) -> None:
