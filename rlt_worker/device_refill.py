@@ -226,7 +226,8 @@ class DeviceRefill:
         # Positions advance at most one a pass: the widest context any pass of the plan can need.
         bound = int(rows.positions[looping].max())
         found = runner.refill_graph(len(looping), bound + max_passes, exit_step.exit_test)
-        riding = cls._riding_graph(runner, len(looping), bound + max_passes, exit_step.exit_test)
+        riding = None if found is None else cls._riding_graph(runner, len(looping), bound + max_passes,
+                                                               exit_step.exit_test)
         if found is None or (runner.has_riding_loops and riding is None):
             return None
         graph, buffers = found
@@ -255,7 +256,7 @@ class DeviceRefill:
         # The same rows: the same rows bucket, so the graph found runs over the resident buffers.
         max_position = resident.position_bound + max_passes
         found = runner.refill_graph(len(slots), max_position, resident.exit_test)
-        riding = cls._riding_graph(runner, len(slots), max_position, resident.exit_test)
+        riding = None if found is None else cls._riding_graph(runner, len(slots), max_position, resident.exit_test)
         if found is None or (runner.has_riding_loops and riding is None):
             return None
         runner.count_refill_resumed()
