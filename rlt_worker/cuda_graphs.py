@@ -89,6 +89,7 @@ class GraphStats:
     coda_replays: int = 0  # CODA batches run from a graph (rlt_worker/coda_graphs.py)
     device_refill_plans: int = 0  # DecodeBatches whose passes ran with no readback (rlt_worker/device_refill.py)
     device_refill_resumed: int = 0  # of those, resumed where the last one left its rows (no readback between)
+    device_refill_carried: int = 0  # of those, other rows than the last one's: its continuing rows carried over
     refill_captures: int = 0  # device-refill pass graphs, captured at a bucket's first use (within lazy_captures)
     refill_riding_passes: int = 0  # device-refill passes that prompt chunks rode (within mixed_replays)
     refill_error: str | None = None  # a device-refill pass capture failed: those batches take the host loop
@@ -126,7 +127,8 @@ class GraphStats:
             "capture_mib": round(self.capture_mib, 1), "rows": self.rows, "padded_rows": self.padded_rows,
             "coda_replays": self.coda_replays, "coda_eager": self.coda_eager, "coda_error": self.coda_error,
             "device_refill_plans": self.device_refill_plans,
-            "device_refill_resumed": self.device_refill_resumed, "refill_captures": self.refill_captures,
+            "device_refill_resumed": self.device_refill_resumed,
+            "device_refill_carried": self.device_refill_carried, "refill_captures": self.refill_captures,
             "refill_riding_passes": self.refill_riding_passes,
             "refill_error": self.refill_error,
             "exit_replays": self.exit_replays, "exit_eager": self.exit_eager, "exit_error": self.exit_error,

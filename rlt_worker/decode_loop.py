@@ -30,7 +30,9 @@ rlt_worker/device_refill.py) runs its passes there instead: exits, boundary work
 masked on the device, one captured graph per pass, nothing read back while the plan runs. Its rows'
 outputs and ends land later (`_Landing`: when the result is built, or when a later batch needs the
 host's cursors, `DecodeCursors.settle`); a next batch of the same rows, all continuing, resumes them
-on the device without landing them first (`DeviceRefill.resume`). Otherwise:
+on the device without landing them first (`DeviceRefill.resume`), and one whose rows differ carries
+its continuing rows' columns over there (`DeviceRefill.carried_rows`), landing only the plans that
+hold its other continuing rows (`DecodeCursors.settle_for`). Otherwise:
 
 The loop itself is host-driven: the host reads back a few bytes per pass to choose the next pass's
 rows (a device test: `DeviceExits`; planned exits, `PlannedExits`, know them on the host, so their
@@ -101,6 +103,13 @@ class DecodeCursors:
         self.is_set[slot] = False
         self.epochs[slot] += 1
 
+    def settle_for(self, slots: np.ndarray) -> None:
+        """Land the pending plans up to the last one among whose device rows any of these slots is (their
+        cursors are then the host's); those behind it stay on their way."""
+        holding = [landing for landing in self.pending if np.isin(landing.device_slots, slots).any()]
+        if holding:
+            self.settle(upto=holding[-1])
+
     def settle(self, upto: _Landing | None = None) -> None:
         """Land the pending device-refill plans in order: all of them, or up to and including `upto`."""
         if upto is not None and upto.landed:
@@ -147,11 +156,17 @@ class DecodeLoop:
                       else DeviceExits(runner.exit_step(batch.exit_test)))
         slots = np.asarray(runner.slots_of(batch.col("keys"), batch.col("generations")), dtype=np.int64)
         continues = batch.col("continues") > 0
-        self.resumed = None if isinstance(self.exits, PlannedExits) else DeviceRefill.resume(
+        device_test = isinstance(self.exits, DeviceExits)
+        self.resumed = None if not device_test else DeviceRefill.resume(
             runner, self.exits.exit_step, batch.refill, slots, continues, batch.max_passes)
-        if self.resumed is None:  # these rows go on from the host's cursors, once every plan has landed
-            runner.refill_resident = None
-            runner.decode_cursors.settle()
+        # The rows whose columns a device-refill plan carries over from the last one (None: the host loop).
+        self.carried = None if self.resumed is not None or not device_test else DeviceRefill.carried_rows(
+            runner, self.exits.exit_step, batch.refill, slots, continues, runner.decode_cursors.epochs[slots],
+            batch.max_passes)
+        if self.carried is not None:  # the other continuing rows go on from the host's cursors
+            runner.decode_cursors.settle_for(slots[continues & ~self.carried])
+        elif self.resumed is None:
+            self._land_every_plan()
         self.rows = self._rows(batch, slots, continues)
 
     def run(self, results: ResultBuilder) -> None:
@@ -159,27 +174,47 @@ class DecodeLoop:
         if self.resumed is not None:
             self._run_on_device(self.resumed, results)
             return
-        rows = self.rows
-        # Rows whose prompt's last chunk rides the passes (mixed batches) enter exited but wait for it.
-        behind_prefill = rows.running & rows.exited & np.isin(rows.slots, self.runner.riding_slots)
-        waiting = np.flatnonzero(behind_prefill)
-        self._stop_unless_completable(np.flatnonzero(rows.running & ~rows.exited))
-        self._boundary(np.flatnonzero(rows.running & rows.exited & ~behind_prefill), results)
+        on_host = np.arange(len(self.rows.slots)) if self.carried is None else np.flatnonzero(~self.carried)
+        waiting = self._start_rows(on_host, results)
         on_device = self._on_device()
         if on_device is not None:
             self._run_on_device(on_device, results, waiting)
             return
+        if self.carried is not None:  # the host loop after all: every row from the host's cursors
+            self._land_every_plan()
+            carried = np.flatnonzero(self.carried)
+            self._continue_rows(self.rows, carried)
+            waiting = np.union1d(waiting, self._start_rows(carried, results))
         self._host_passes(waiting, results)
         self._report_ends(results)
         self._save_cursors()
 
+    def _start_rows(self, indices: np.ndarray, results: ResultBuilder) -> np.ndarray:
+        """Before the passes, of these rows (their columns the host's): those that entered exited do
+        their boundary work now, the others loop only if completable; returns the rows that wait for
+        their prompt's last chunk, riding the passes (mixed batches)."""
+        rows = self.rows
+        running = indices[rows.running[indices]]
+        exited = rows.exited[running]
+        behind_prefill = exited & np.isin(rows.slots[running], self.runner.riding_slots)
+        self._stop_unless_completable(running[~exited])
+        self._boundary(running[exited & ~behind_prefill], results)
+        return running[behind_prefill]
+
+    def _land_every_plan(self) -> None:
+        """The rows go on from the host's cursors: every device-refill plan lands, none stays resident."""
+        self.runner.refill_resident = None
+        self.runner.decode_cursors.settle()
+
     def _run_on_device(self, refill: DeviceRefill, results: ResultBuilder, waiting: np.ndarray | None = None) -> None:
         """The passes on the device, then the boundary work of the `waiting` rows (behind riding chunks:
         they join the next plan); the rows' outputs and ends land when the result is built, or when a
-        later plan needs the host's cursors (DecodeCursors.settle), whichever comes first."""
+        later plan needs the host's cursors (DecodeCursors.settle), whichever comes first. The rows off
+        the device are final on the host now: their cursors are saved at once."""
         refill.run_passes(self.rows)
         if waiting is not None:
             self._after_prefill(waiting, results)  # before the copies: they carry the rows' exit states
+        self._save_cursors(np.setdiff1d(np.arange(len(self.rows.slots)), refill.looping))
         landing = _Landing(self, refill, refill.copy_out(self.rows))
         cursors = self.runner.decode_cursors
         cursors.pending.append(landing)
@@ -191,13 +226,22 @@ class DecodeLoop:
         results.defer(landed_rows, landing.copies.event)
 
     def _on_device(self) -> DeviceRefill | None:
-        """The batch's passes with exits and refill on the device, when they qualify (device_refill.py)."""
-        if not isinstance(self.exits, DeviceExits) or not self.runner.config.device_refill:
+        """The batch's passes with exits and refill on the device, when they qualify (device_refill.py).
+        The tokens sampled before them are checked for stop tokens there, or (a row that stopped after
+        its boundary, which the device does not see) read back now."""
+        if self.carried is None:
             return None
-        self.exits.check_sampled(self.runner, self.rows)  # the boundary's stop tokens, before the rows go
-        rows = self.rows
-        return DeviceRefill.plan(self.runner, self.exits.exit_step, self.batch.refill, rows,
-                                 np.flatnonzero(rows.running & ~rows.exited), self.batch.max_passes)
+        rows, exits = self.rows, self.exits
+        assert isinstance(exits, DeviceExits)
+        sampled = exits.unchecked_rows()
+        if not (rows.running[sampled] | rows.finished[sampled]).all():
+            exits.check_sampled(self.runner, rows)
+            sampled = sampled[:0]
+        refill = DeviceRefill.plan(self.runner, rows, np.flatnonzero(rows.running & ~rows.exited),
+                                   self.batch.max_passes, exits.exit_step.exit_test, self.carried)
+        if refill is not None and len(sampled):
+            refill.end_at_stop_tokens(sampled, rows.slots[sampled], exits.take_unchecked())
+        return refill
 
     def _host_passes(self, waiting: np.ndarray, results: ResultBuilder) -> None:
         """Passes chosen by the host from each pass's exits (a readback per pass for a device test)."""
@@ -221,7 +265,8 @@ class DecodeLoop:
     # ------------------------------------------------------------------ setup
 
     def _rows(self, batch: DecodeBatch, slots: np.ndarray, continues: np.ndarray) -> _Rows:
-        """The batch's rows; resumed rows keep the batch's (stale) columns until their plan lands."""
+        """The batch's rows; resumed and carried rows keep the batch's (stale) columns until their plan
+        lands."""
         runner = self.runner
         options = [runner.slot_options[slot] for slot in slots.tolist()]
         n = len(slots)
@@ -234,11 +279,13 @@ class DecodeLoop:
             stop_ids=[frozenset(o.stop_token_ids) for o in options],
             running=np.ones(n, dtype=bool), finished=np.zeros(n, dtype=bool),
         )
-        if self.resumed is None:
-            self._continue_rows(rows, np.flatnonzero(continues))
-            self._write_exit_inputs(batch, slots, continues)
-        else:
+        if self.resumed is not None:
             rows.exited[:] = False  # a device-refill row never stops exited
+            return rows
+        carried = np.zeros(n, dtype=bool) if self.carried is None else self.carried
+        self._continue_rows(rows, np.flatnonzero(continues & ~carried))
+        self._write_exit_inputs(batch, slots, continues)
+        rows.exited[carried] = False
         return rows
 
     def _write_exit_inputs(self, batch: DecodeBatch, slots: np.ndarray, continues: np.ndarray) -> None:
@@ -354,11 +401,13 @@ class DecodeLoop:
         if len(exited):
             results.add(Stage.EXITED, rows.keys[exited], rows.generations[exited], depths=rows.depths[exited])
 
-    def _save_cursors(self, epochs: np.ndarray | None = None) -> None:
-        """Where every row stopped, for a pipelined row of the next plan that continues it (`epochs`:
-        the slots' when the plan ran; a slot opened again since is left alone)."""
+    def _save_cursors(self, which: np.ndarray | None = None, epochs: np.ndarray | None = None) -> None:
+        """Where the rows (`which`: these; None: all) stopped, for a pipelined row of the next plan that
+        continues one (`epochs`: the slots' when the plan ran; a slot opened again since is left alone)."""
         rows, cursors = self.rows, self.runner.decode_cursors
-        keep = slice(None) if epochs is None else cursors.epochs[rows.slots] == epochs
+        keep = np.arange(len(rows.slots)) if which is None else which
+        if epochs is not None:
+            keep = keep[cursors.epochs[rows.slots[keep]] == epochs[keep]]
         slots = rows.slots[keep]
         cursors.positions[slots], cursors.depths[slots] = rows.positions[keep], rows.depths[keep]
         cursors.exited[slots], cursors.indices[slots] = rows.exited[keep], rows.indices[keep]
@@ -372,6 +421,7 @@ class _Landing:
     def __init__(self, loop: DecodeLoop, refill: DeviceRefill, copies: HostCopies) -> None:
         self.loop, self.refill, self.copies = loop, refill, copies
         self.epochs = loop.runner.decode_cursors.epochs[loop.rows.slots].copy()
+        self.device_slots = loop.rows.slots[refill.looping]  # whose cursors are stale until it lands
         self.sink = ResultBuilder(step_id=-1)  # a collector: its parts take the plan's place in its result
         self.landed = False
 
@@ -382,7 +432,7 @@ class _Landing:
         loop = self.loop
         exit_states = self.refill.land(loop.rows, self.copies.wait(), self.sink)
         loop._report_ends(self.sink, exit_states)
-        loop._save_cursors(self.epochs)
+        loop._save_cursors(epochs=self.epochs)
 
 
 @dataclass
@@ -444,6 +494,15 @@ class DeviceExits:
         rows.finished[stopped] = True
         rows.running[stopped] = False
         return exited, stopped
+
+    def unchecked_rows(self) -> np.ndarray:
+        """The rows whose tokens, sampled since the last readback, are not checked for stop tokens yet."""
+        return np.concatenate([s.rows for s in self._unchecked]) if self._unchecked else np.zeros(0, dtype=np.int64)
+
+    def take_unchecked(self) -> torch.Tensor:
+        """Those rows' tokens (on the device, in that order), for a device-refill plan to check."""
+        sampled, self._unchecked = self._unchecked, []
+        return torch.cat([s.tokens for s in sampled])
 
     def sampled(self, rows: _Rows, sampling: np.ndarray, tokens: torch.Tensor) -> None:
         """A boundary's tokens (on the device): the next pass's readback checks them for stop tokens."""

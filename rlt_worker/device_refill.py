@@ -25,6 +25,9 @@ the flags is decided by masks on the device instead. One pass, captured as one C
     resume           a next plan of the same rows, all continuing, starts from the columns as they
                      are (`DeviceRefill.resume`: the covered positions uploaded, no readback), so
                      pipelined plans queue on the device one behind the other
+    carry            a next plan whose rows differ (some joined, some left) takes the columns of its
+                     rows that continue the last plan's from that plan's bucket on the device, and
+                     the others from the host (`DeviceRefill.carried_rows`): no plan lands first
 
 Every operation is the host path's on the same rows (the same pass, exit test, finalize kernel,
 coda, head and sampler), so tokens and exit depths are the host loop's; only the head GEMM's row
@@ -34,8 +37,8 @@ pass (a greedy CODA graph of 1 row, with the Triton greedy rule: 0.075 ms of GPU
 docs/benchmarks.md).
 
 The buffers live per rows bucket for the worker's life (the graphs read them at fixed addresses);
-graphs are captured at a bucket's first use (`lazy_captures`). When it runs (`DeviceRefill.plan`,
-once per batch): `device_refill` is on, the passes and the test replay from graphs, refill is on,
+graphs are captured at a bucket's first use (`lazy_captures`). When it runs (`DeviceRefill.carried_rows`
+and `plan`, once per batch): `device_refill` is on, the passes and the test replay from graphs, refill is on,
 the coda has no attention (Ouro), every row is greedy and none forces tokens, the plan has at most
 MAX_PASSES passes, and riding prompt chunks (mixed batches) fit a mixed graph's chunk bucket.
 Otherwise the host-driven loop runs. (A test's pass_listener costs a readback per pass here.)
@@ -91,6 +94,7 @@ class RefillBuffers:
         self.logprobs = torch.zeros(rows, MAX_PASSES + 1, dtype=torch.float64, device=device)
         self.alive = torch.zeros((), dtype=torch.bool, device=device)
         self.row_index = torch.arange(rows, device=device)
+        self.carried = torch.tensor([[POSITIONS], [DEPTHS], [INDICES], [FINISHED]], device=device)  # see _carry
         # Greedy: the sampler reads only whether each row is greedy (all are) and draws nothing.
         self.params = SamplingTensors(temperature=torch.zeros(rows, dtype=torch.float64, device=device),
                                       top_k=torch.full((rows,), -1, dtype=torch.long, device=device),
@@ -191,8 +195,16 @@ class ResidentRows:
 
     buffers: RefillBuffers
     slots: np.ndarray
+    epochs: np.ndarray  # the slots' DecodeCursors.epochs: a slot opened again since is not these rows'
     exit_test: ExitTest
     position_bound: int  # ≥ every row's position (a pass advances a position by at most one)
+
+    def index_of(self, slots: np.ndarray) -> np.ndarray:
+        """Each slot's row among these (−1: not one of them)."""
+        order = np.argsort(self.slots, kind="stable")
+        at = np.minimum(np.searchsorted(self.slots, slots, sorter=order), len(order) - 1)
+        found = order[at]
+        return np.where(self.slots[found] == slots, found, -1)
 
 
 @dataclass(frozen=True)
@@ -215,19 +227,34 @@ class DeviceRefill:
         self.riding = riding
 
     @classmethod
-    def plan(cls, runner: ModelRunner, exit_step: EagerExitStep, refill: bool, rows: _Rows, looping: np.ndarray,
-             max_passes: int) -> DeviceRefill | None:
-        """The batch's passes on the device when they qualify (module docstring), its rows uploaded;
-        else None."""
-        if not (len(looping) and cls._qualifies(runner, exit_step, refill, rows.slots[looping], max_passes)):
+    def carried_rows(cls, runner: ModelRunner, exit_step: EagerExitStep, refill: bool, slots: np.ndarray,
+                     continues: np.ndarray, epochs: np.ndarray, max_passes: int) -> np.ndarray | None:
+        """None when the batch takes the host loop (module docstring; every plan lands first); else,
+        per row, whether it continues a row of the last device-refill plan (`ResidentRows`), whose
+        columns `plan` carries over on the device, so that plan need not land first."""
+        if not cls._qualifies(runner, exit_step, refill, slots, max_passes) or runner.forces_tokens(slots):
             return None
-        if runner.forced_tokens(rows.slots[looping], rows.indices[looping]) is not None:
+        resident = runner.refill_resident
+        if resident is None or resident.exit_test != exit_step.exit_test:
+            return np.zeros(len(slots), dtype=bool)
+        at = resident.index_of(slots)
+        return continues & (at >= 0) & (resident.epochs[at] == epochs)
+
+    @classmethod
+    def plan(cls, runner: ModelRunner, rows: _Rows, looping: np.ndarray, max_passes: int, exit_test: ExitTest,
+             carried: np.ndarray) -> DeviceRefill | None:
+        """The passes of a batch that qualified (`carried_rows`) on the device, their columns in place:
+        the `carried` rows' (bool per batch row) from the resident bucket, the others' uploaded from
+        `rows`; None when no row loops or no graph takes them."""
+        if not len(looping):
             return None
+        from_device = carried[looping]
+        resident = runner.refill_resident
         # Positions advance at most one a pass: the widest context any pass of the plan can need.
-        bound = int(rows.positions[looping].max())
-        found = runner.refill_graph(len(looping), bound + max_passes, exit_step.exit_test)
-        riding = None if found is None else cls._riding_graph(runner, len(looping), bound + max_passes,
-                                                               exit_step.exit_test)
+        bound = max(int(rows.positions[looping[~from_device]].max(initial=0)),
+                    resident.position_bound if from_device.any() else 0)
+        found = runner.refill_graph(len(looping), bound + max_passes, exit_test)
+        riding = None if found is None else cls._riding_graph(runner, len(looping), bound + max_passes, exit_test)
         if found is None or (runner.has_riding_loops and riding is None):
             return None
         graph, buffers = found
@@ -239,8 +266,40 @@ class DeviceRefill:
                             (SEEDS, rows.seeds.view(np.int64))):
             host[row, :n] = values[looping]
         host[RUNNING, :n] = 1
+        if from_device.any():
+            cls._carry(runner, resident, buffers, host, rows.slots[looping], np.flatnonzero(from_device))
+        else:
+            runner.upload_into(buffers.columns, host)
+        return cls(runner, graph, buffers, looping, max_passes, exit_test, bound, riding)
+
+    @staticmethod
+    def _carry(runner: ModelRunner, resident: ResidentRows, buffers: RefillBuffers, host: np.ndarray,
+               slots: np.ndarray, carried: np.ndarray) -> None:
+        """The host's columns into the bucket, then the `carried` rows' positions, depths, output indices
+        and finished flags from where the last plan left them (gathered before the upload: the two
+        buckets may be one), and the device restarts every row not finished whose next position has a
+        block, as `resume` does. Nothing is read back."""
+        source, target = runner.upload(resident.index_of(slots[carried]), carried)
+        values = resident.buffers.columns[buffers.carried, source]
         runner.upload_into(buffers.columns, host)
-        return cls(runner, graph, buffers, looping, max_passes, exit_step.exit_test, bound, riding)
+        buffers.columns[buffers.carried, target] = values
+        _restart(buffers.columns)
+        runner.count_refill_carried()
+
+    def end_at_stop_tokens(self, rows: np.ndarray, slots: np.ndarray, tokens: torch.Tensor) -> None:
+        """Tokens the host's boundary work sampled before the plan (`rows`: batch rows): a looping row
+        whose token is a stop token is finished, on the device, before it loops (no readback)."""
+        bucket_rows = np.searchsorted(self.looping, rows)
+        looping = (bucket_rows < len(self.looping)) & (self.looping[np.minimum(bucket_rows, len(self.looping) - 1)]
+                                                       == rows)
+        if not looping.any():
+            return
+        target, device_slots, picked = self.runner.upload(bucket_rows[looping], slots[looping],
+                                                          np.flatnonzero(looping))
+        ends = self.runner.is_stop_token(device_slots, tokens[picked]).long()
+        c = self.buffers.columns
+        c[FINISHED, target] |= ends
+        c[RUNNING, target] &= 1 - ends
 
     @classmethod
     def resume(cls, runner: ModelRunner, exit_step: EagerExitStep, refill: bool, slots: np.ndarray,
@@ -263,8 +322,7 @@ class DeviceRefill:
         c, n = resident.buffers.columns, len(slots)
         (covered,) = runner.upload(runner.covered_positions(slots))
         c[COVERED, :n] = covered
-        c[COUNT].zero_()
-        c[RUNNING] = (c[FINISHED] == 0) & ((c[POSITIONS] + 1 < c[COVERED]) | (c[INDICES] == c[LAST]))
+        _restart(c)
         return cls(runner, found[0], resident.buffers, np.arange(n), max_passes, resident.exit_test,
                    resident.position_bound, riding)
 
@@ -298,8 +356,9 @@ class DeviceRefill:
             else:
                 self.graph.replay()
             alive.append(self._running_flag())
-        runner.refill_resident = ResidentRows(self.buffers, rows.slots[self.looping], self.exit_test,
-                                              self.position_bound + len(alive))
+        slots = rows.slots[self.looping]
+        runner.refill_resident = ResidentRows(self.buffers, slots, runner.decode_cursors.epochs[slots].copy(),
+                                              self.exit_test, self.position_bound + len(alive))
 
     def copy_out(self, rows: _Rows) -> HostCopies:
         """The looping rows' columns and outputs and every row's exit state on their way to the host."""
@@ -339,3 +398,11 @@ class DeviceRefill:
         rows.indices[looping] = columns[INDICES]
         rows.running[looping], rows.finished[looping] = columns[RUNNING] > 0, columns[FINISHED] > 0
         return states
+
+
+def _restart(columns: torch.Tensor) -> None:
+    """A plan's start over a bucket's columns: no outputs yet, and every row not finished whose next
+    position has a block (or that holds its last output) runs; padding rows (no block) do not."""
+    columns[COUNT].zero_()
+    columns[RUNNING] = (columns[FINISHED] == 0) & ((columns[POSITIONS] + 1 < columns[COVERED])
+                                                   | (columns[INDICES] == columns[LAST]))

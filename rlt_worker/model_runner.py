@@ -648,6 +648,10 @@ class ModelRunner:
         """GraphStats: a device-refill plan resumed its rows where the last one left them."""
         self._graphs.stats.device_refill_resumed += 1
 
+    def count_refill_carried(self) -> None:
+        """GraphStats: a device-refill plan carried some rows' columns over from the last one's on the device."""
+        self._graphs.stats.device_refill_carried += 1
+
     def report_refill_pass(self, columns: torch.Tensor, running: torch.Tensor) -> None:
         """pass_listener (tests) before a device-refill pass: each running row's next loop, read back."""
         assert self.pass_listener is not None

@@ -90,6 +90,8 @@ def test_riding_prompt_chunks_keep_device_refill(layout: str, in_flight: int) ->
     assert stats["refill_riding_passes"] > 0 and stats["device_refill_plans"] > 0, stats
     assert stats["mixed_eager"] == 0 and stats["mixed_replays"] == stats["mixed_passes"], stats
     assert host.graph_stats["refill_riding_passes"] == host.graph_stats["device_refill_plans"] == 0
+    if in_flight > 1:
+        assert stats["device_refill_carried"] > 0, stats
 
 
 def test_riding_device_refill_graphs_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,8 +131,9 @@ def _results_land_late(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_pipelined_plans_continue_device_refill_rows(n: int, max_tokens: int, late: bool,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Two plans in flight (rows that continue their slot's last row): the same outputs as one plan at
-    a time, and plans whose rows are the last plan's resume them on the device (no readback between),
-    also when results land late (plans resumed one after another, across width buckets)."""
+    a time; plans whose rows are the last plan's resume them on the device (no readback between), and
+    a plan that adds or drops rows carries the continuing ones from the device (no drain), also when
+    results land late (plans resumed one after another, across width buckets)."""
     jobs = _jobs("ouro", n=n, max_tokens=max_tokens)
     if late:
         _results_land_late(monkeypatch)
@@ -139,22 +142,25 @@ def test_pipelined_plans_continue_device_refill_rows(n: int, max_tokens: int, la
     assert _finals(pipelined) == _finals(synchronous)
     assert_matches_reference(pipelined, "toy-ouro", kv_layout="last_exited", exit_mode="ouro")
     assert pipelined.graph_stats["device_refill_resumed"] > 0
-    assert synchronous.graph_stats["device_refill_resumed"] == 0
+    assert (pipelined.graph_stats["device_refill_carried"] > 0) == (n > 1), pipelined.graph_stats
+    assert synchronous.graph_stats["device_refill_resumed"] == synchronous.graph_stats["device_refill_carried"] == 0
 
 
-def test_a_stop_token_ends_its_row_at_once() -> None:
-    """A greedy row whose output k ≥ 2 is a stop token runs no loop past that output's position (the host
-    loop runs one more, dropped, until its next readback)."""
+@pytest.mark.parametrize("first", [0, 2])
+def test_a_stop_token_ends_its_row_at_once(first: int) -> None:
+    """A greedy row whose output k is a stop token runs no loop past that output's position (the host
+    loop runs one more, dropped, until its next readback): k ≥ 2, sampled by a pass on the device, and
+    k = 0, sampled by the host's boundary work before the plan and checked on the device."""
     params = dict(max_tokens=9, seed=3, exit_threshold=0.5, temperature=0.0)
     free = _run("ouro", "last_exited", True, [Job("r", (5, 6, 7), SamplingParams(**params))]).life("r").final
-    k = next(i for i in range(2, 8) if free.token_ids[i] not in free.token_ids[:i])
+    k = next(i for i in range(first, 8) if free.token_ids[i] not in free.token_ids[:i])
     job = Job("r", (5, 6, 7), SamplingParams(**params, stop_token_ids=[free.token_ids[k]]))
     run = _run("ouro", "last_exited", True, [job])
     assert_matches_reference(run, "toy-ouro", kv_layout="last_exited", exit_mode="ouro")
     out = run.life("r").final
     assert out.token_ids == free.token_ids[: k + 1] and out.finish_reason == "stop"
     positions = {p for loop_pass in run.passes for _, _, p, _ in loop_pass.rows}
-    assert max(positions) == 2 + k, "the row looped past its stop token's position"
+    assert max(positions, default=2) == 2 + k, "the row looped past its stop token's position"
     assert run.graph_stats["device_refill_plans"] > 0
 
 

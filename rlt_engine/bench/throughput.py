@@ -697,8 +697,8 @@ class Grid:
                                        "refill_captures", "capture_s", "rows",
                                        "padded_rows", "prefill_replays", "prefill_eager", "prefill_rows",
                                        "prefill_padded_rows", "exit_replays", "exit_eager", "device_refill_plans",
-                                       "device_refill_resumed", "mixed_replays", "mixed_eager", "mixed_captures",
-                                       "mixed_rows", "mixed_padded_rows")}
+                                       "device_refill_resumed", "device_refill_carried", "mixed_replays", "mixed_eager",
+                                       "mixed_captures", "mixed_rows", "mixed_padded_rows")}
             log(f"   c={c} graph counters: {config.graphs}")
         kv = engine.kv_managers[0]
         config.memory["kv_pool_gib"] = _kv_pool_bytes(engine.model_info, kv.num_blocks, a.block_size,
