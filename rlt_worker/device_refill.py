@@ -34,7 +34,7 @@ coda, head and sampler), so tokens and exit depths are the host loop's; only the
 count (the bucket's, not the exits') differs, which batch invariance does not cover on CUDA. The
 price is CODA for every row at every pass instead of once per token: the head's weight is read per
 pass (a greedy CODA graph of 1 row, with the Triton greedy rule: 0.075 ms of GPU time on the H200,
-docs/benchmarks.md).
+docs/benchmarks.md). The bookkeeping between (ColumnSteps) is one Triton launch per step on CUDA.
 
 The buffers live per rows bucket for the worker's life (the graphs read them at fixed addresses);
 graphs are captured at a bucket's first use (`lazy_captures`). When it runs (`DeviceRefill.carried_rows`
@@ -94,6 +94,7 @@ class RefillBuffers:
         self.logprobs = torch.zeros(rows, MAX_PASSES + 1, dtype=torch.float64, device=device)
         self.alive = torch.zeros((), dtype=torch.bool, device=device)
         self.row_index = torch.arange(rows, device=device)
+        self.boundary_slots = torch.zeros(2, rows, dtype=torch.long, device=device)  # ColumnSteps.after_sample
         self.carried = torch.tensor([[POSITIONS], [DEPTHS], [INDICES], [FINISHED]], device=device)  # see _carry
         # Greedy: the sampler reads only whether each row is greedy (all are) and draws nothing.
         self.params = SamplingTensors(temperature=torch.zeros(rows, dtype=torch.float64, device=device),
@@ -109,6 +110,7 @@ class RefillGraphs:
         self.passes = passes
         self.runner = passes.runner
         self.buffers = {b: RefillBuffers(b, self.runner.device) for b in passes.row_buckets}
+        self.steps = column_steps(self.runner.device, self.runner.config.attention_backend)
         self._graphs: dict[RefillKey, Any] = {}
         self.resident: ResidentRows | None = None  # the last device-refill plan's rows (DeviceRefill.resume)
         self.error: str | None = None  # a capture failed: DecodeBatches take the host loop from now on
@@ -154,37 +156,71 @@ class RefillGraphs:
         with the riding chunks' next loop in it when `chunks` names their bucket."""
         runner, passes, b = self.runner, self.passes, self.buffers[rows]
         c, dummy = b.columns, runner.dummy_slot
-        slots, positions, depths, indices = c[SLOTS], c[POSITIONS], c[DEPTHS], c[INDICES]
-        running = c[RUNNING] > 0
-        depths += running
         index = passes.static_rows(rows)  # the loop pass's static inputs, read by the test too
-        index.copy_(torch.stack([torch.where(running, slots, dummy), torch.where(running, positions, 0),
-                                 torch.where(running, depths, 1)]))
+        self.steps.pass_rows(c, index, dummy)
         if chunks is None:
             passes._pass(rows, width)
         else:
             passes.mixed.stacked_pass((rows, width, *chunks))
-        exits = test.apply(runner, index[0], index[1], index[2], passes.max_width, None) & running
-        runner.finalize_on_device(slots, positions, torch.where(exits, depths, runner.config.max_depth))
+        exits = test.apply(runner, index[0], index[1], index[2], passes.max_width, None) & (c[RUNNING] > 0)
+        runner.finalize_on_device(c[SLOTS], c[POSITIONS], torch.where(exits, c[DEPTHS], runner.config.max_depth))
         tokens, logprobs = runner.sample_on_device(index[0], b.params, True)
-        at = torch.where(exits, c[COUNT], MAX_PASSES)  # the rows that did not exit write the spare column
+        self.steps.after_sample(b, exits, tokens, logprobs, runner.is_stop_token(c[SLOTS], tokens), dummy)
+        exit_slots, prelude_slots = b.boundary_slots
+        runner.store_tokens(exit_slots, tokens)
+        runner.embed_on_device(prelude_slots, tokens, c[POSITIONS])
+        runner.decode_cursors.restart_exit_states(prelude_slots)
+
+
+class ColumnSteps:
+    """A pass's bookkeeping over a bucket's columns, in torch ops: the CPU path and the reference of
+    the Triton kernels that do the same in one launch each on CUDA (kernels/refill_columns.py)."""
+
+    @staticmethod
+    def pass_rows(c: torch.Tensor, index: torch.Tensor, dummy: int) -> None:
+        """Before the pass: each running row goes one loop deeper; the loop's static rows (`index`,
+        [3, R]: slots, positions, depths) hold the running rows, the others on the dummy slot."""
+        running = c[RUNNING] > 0
+        c[DEPTHS] += running
+        index.copy_(torch.stack([torch.where(running, c[SLOTS], dummy), torch.where(running, c[POSITIONS], 0),
+                                 torch.where(running, c[DEPTHS], 1)]))
+
+    @staticmethod
+    def after_sample(b: RefillBuffers, exits: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor,
+                     stops: torch.Tensor, dummy: int) -> None:
+        """After the sampler: the exited rows record their outputs (the others write the spare column);
+        a row ends at its last output or a stop token (`stops`), else its next position starts at
+        depth 0; a row whose next position has no block stops running. `b.boundary_slots` gets the
+        exited rows' slots and the going rows' (both else the dummy), and `b.alive` whether any runs."""
+        c = b.columns
+        running = c[RUNNING] > 0
+        slots, positions, depths, indices = c[SLOTS], c[POSITIONS], c[DEPTHS], c[INDICES]
+        at = torch.where(exits, c[COUNT], MAX_PASSES)
         b.outputs[0, b.row_index, at] = tokens
         b.outputs[1, b.row_index, at] = depths
         b.logprobs[b.row_index, at] = logprobs
         c[COUNT] += exits
-        ends = exits & ((indices == c[LAST]) | runner.is_stop_token(slots, tokens))
+        ends = exits & ((indices == c[LAST]) | stops)
         going = exits & ~ends
-        runner.store_tokens(torch.where(exits, slots, dummy), tokens)
+        b.boundary_slots[0] = torch.where(exits, slots, dummy)
+        b.boundary_slots[1] = torch.where(going, slots, dummy)
         positions += going
         indices += going
         depths.masked_fill_(going, 0)
-        prelude_slots = torch.where(going, slots, dummy)
-        runner.embed_on_device(prelude_slots, tokens, positions)
-        runner.decode_cursors.restart_exit_states(prelude_slots)
         completable = (positions + 1 < c[COVERED]) | (indices == c[LAST])
         c[FINISHED] |= ends
         c[RUNNING] = running & ~ends & ~(going & ~completable)
         b.alive.copy_(c[RUNNING].any())
+
+
+def column_steps(device: torch.device, attention_backend: str) -> ColumnSteps:
+    """The pass's bookkeeping: one Triton launch per step on CUDA with the Triton backend; torch's ops
+    elsewhere and on the torch path (the gate's reference)."""
+    if device.type == "cuda" and attention_backend == "triton":
+        from rlt_worker.kernels.refill_columns import TritonColumnSteps  # imports Triton: only when used
+
+        return TritonColumnSteps()
+    return ColumnSteps()
 
 
 @dataclass
