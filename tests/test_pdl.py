@@ -90,7 +90,9 @@ KERNELS: dict[str, tuple[Callable[..., object], dict, dict, dict]] = {
                   dict(GROUP=1, GROUP_PAD=16, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, TILE=64, NUM_SPLITS=8,
                        USE_DOT=True, DOT_PRECISION=None, ACC_F64=False),
                   {"bt_ptr": "*i32", "ctx_ptr": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
-                   "count_ptr": "*i32", "qk_scale": "fp32", "scale_ptr": "*fp64"}, dict(num_warps=4, num_stages=3)),
+                   "qk_scale": "fp32", "scale_ptr": "*fp64"}, dict(num_warps=4, num_stages=3)),
+    "merge": (tb._merge_kernel, dict(HEAD_DIM=128, D_PAD=128, NUM_SPLITS=8, S_PAD=8, ACC_F64=False),
+              {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"}, {}),
 }
 _MEMORY_OP = re.compile(r"\b(griddepcontrol\.\w+|ld\.global|st\.global|cp\.async|atom\.global|red\.global)")
 

@@ -131,28 +131,6 @@ def _interp_out_rows() -> None:
         assert around[:2].isnan().all() and around[2 + n :].isnan().all()
 
 
-def _interp_split_counters() -> None:
-    """The last split of each (row, kv head) merges and leaves its counter at zero, so a second launch
-    on the same counters (a graph replay) gives the same bits; a launch with more (row, kv head) pairs
-    than the buffer holds gets a new buffer and the old one stays alive (a graph may point at it)."""
-    batch = make_batch(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, planes=2, seq_lens=[9, 21, 3])
-    scale = batch["q"].shape[-1] ** -0.5
-    tb._COUNTERS.clear()
-    pairs = batch["q"].shape[0] * 2  # (row, kv head) pairs
-    tb._MIN_COUNTERS = 4  # fewer than the pairs
-    first = tb.paged_attention(**batch, scale=scale, num_splits=4, tile=4)
-    held = tb._COUNTERS[batch["q"].device]
-    assert len(held) == 1 and held[0].numel() == pairs and not held[0].any()
-    again = tb.paged_attention(**batch, scale=scale, num_splits=4, tile=4)
-    assert torch.equal(first, again) and not held[0].any()
-    wider = {name: torch.cat([t, t]) for name, t in batch.items() if name in ("q", "block_tables", "context_lens")}
-    wide = tb.paged_attention(**(batch | wider), scale=scale, num_splits=4, tile=4)
-    assert len(held) == 2 and held[1].numel() == 2 * pairs and not held[1].any()
-    assert torch.equal(wide, torch.cat([first, first]))
-    dense = {name: t.contiguous() for name, t in batch.items()}
-    torch.testing.assert_close(first, torch_ref.paged_attention(**dense, scale=scale), atol=1e-5, rtol=1e-5)
-
-
 def _interp_write_kv() -> None:
     """write_kv stores K and V at the given slots of strided cache views, like torch_ref.write_kv."""
     gen = torch.Generator().manual_seed(1)
@@ -220,8 +198,7 @@ INTERP_CASES: dict[str, Callable[[], None]] = {
 } | {
     # Huginn's 55 heads (odd) × 96 (padded to 128), contiguous only: 55 heads make the interpreter slow
     "huginn-55h-d96": functools.partial(_interp_attention, 55, 55, 96, 16, 2, [18], False),
-    "float64": _interp_float64, "out-rows": _interp_out_rows, "split-counters": _interp_split_counters,
-    "write_kv": _interp_write_kv,
+    "float64": _interp_float64, "out-rows": _interp_out_rows, "write_kv": _interp_write_kv,
     "finalize_kv": _interp_finalize_kv,
 }
 

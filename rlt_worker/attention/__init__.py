@@ -4,7 +4,7 @@ A backend module provides write_kv, write_kv_rotary, paged_attention, prefill_at
 finalize_kv with the signatures of torch_ref (the Triton prefill kernel lives in triton_prefill, the
 Triton write_kv_rotary in kernels/fused_ops, beside the RoPE kernel it shares). The Triton backend
 under a PDL launch (kernels/launch.py) is a namespace of the same five, its decode pass's kernels
-(the rotating K/V write, the attention with its in-kernel split merge) bound to that launch.
+(the rotating K/V write, the attention, the split merge) bound to that launch.
 """
 
 from __future__ import annotations

@@ -16,11 +16,8 @@ Kernel design (flash-decoding):
     float64 (the CPU oracle dtype, not a serving one) takes a tl.sum path accumulated in fp64.
     splits = 1: the program normalizes and writes the output directly.
     splits > 1 (flash-decoding, when rows · kv heads < 2 · SMs): each program writes
-        (max, sum, unnormalized acc) to scratch and counts itself in its (row, kv head)'s
-        counter; the program that counts last merges the splits, in split order (so the result
-        never depends on which program came last), writes the output and resets the counter.
-        One launch: a second merge kernel cost a launch per layer (at one row on an H200, 41 µs
-        of a 1.55 ms loop pass, plus its launch gaps).
+        (max, sum, unnormalized acc) to scratch and a second kernel, grid (rows, q heads),
+        merges the splits.
 
 The split count is chosen on the host from shapes alone (rows, kv heads, block-table width,
 SM count), never from context_lens' values: no device→host sync, so the call can be captured
@@ -28,10 +25,6 @@ in a CUDA graph. Splits are sized from the block-table width, so pass tables tri
 batch's longest row. Measured on an H200 (Ouro-1.4B: 16 heads, Dh 128, block 16, contexts
 ~1,100, bf16, graph replay): 32 rows 75 µs, 64 rows 142 µs, 256 rows 552 µs, i.e. 3.9–4.2 TB/s
 of K/V read against a ~4.3 TB/s copy ceiling; 1 row 9 µs with splits.
-
-The split counters are one zeroed int32 buffer per device (`_split_counters`), which each merge
-leaves at zero again (so graph replays need no memset): launches on one device must be
-stream-ordered, as the worker runs them (one pass at a time on one stream).
 
 Triton is imported defensively and kernels are jitted on first use: importing this module works
 on a machine without CUDA (or without Triton). Triton's interpreter (CPU tensors) needs
@@ -67,7 +60,7 @@ _MIN_SPLIT_TOKENS = 128
 
 
 def _attn_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, count_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
     qk_scale, scale_ptr,
     stride_qn, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -83,8 +76,7 @@ def _attn_kernel(
 
     PDL (kernels/launch.py): only the index math runs before the wait. q is the predecessor's (the
     rotating K/V write's) output, and so is the K/V at the rows' own positions; the block tables,
-    context lengths and older K/V come from earlier kernels, but are read after it too. The scratch
-    and the counters are touched after the wait as well: the previous launch's merges are done then.
+    context lengths and older K/V come from earlier kernels, but are read after it too.
     """
     # Program ids are int32 and Triton passes a stride below 2^31 as int32, so a product of the
     # two wraps silently: every index that scales a stride is widened first (here and below).
@@ -166,34 +158,41 @@ def _attn_kernel(
     else:
         # Scratch layout: m/l [rows, Hq, NUM_SPLITS], acc [rows, Hq, NUM_SPLITS, D_PAD], contiguous.
         # A split past the context stores m = -inf, l = 0, acc = 0, which the merge weighs as 0.
-        # .cg: through L2 only, where the merging program (any SM) reads them.
-        ml_base = (row * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS
-        tl.store(m_ptr + ml_base + split, m_i, mask=g_ok, cache_modifier=".cg")
-        tl.store(l_ptr + ml_base + split, l_i, mask=g_ok, cache_modifier=".cg")
-        acc_ptrs = acc_ptr + ml_base[:, None] * D_PAD + d[None, :]
-        tl.store(acc_ptrs + split * D_PAD, acc, mask=g_ok[:, None], cache_modifier=".cg")
-        tl.debug_barrier()  # every thread's partial is stored before the counter says so (release)
-        counter = count_ptr + row * tl.num_programs(1) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            # The last split of (row, kv head): merge every split's state in split order. Split 0
-            # always holds token 0, so its max is finite (padded heads load 0 and are never stored).
-            m_max = tl.load(m_ptr + ml_base, mask=g_ok, other=0.0, cache_modifier=".cg")
-            for s_ in tl.static_range(1, NUM_SPLITS):
-                m_max = tl.maximum(m_max, tl.load(m_ptr + ml_base + s_, mask=g_ok, other=0.0, cache_modifier=".cg"))
-            num = tl.zeros([GROUP_PAD, D_PAD], dtype=acc_dtype)
-            den = tl.zeros([GROUP_PAD], dtype=acc_dtype)
-            for s_ in tl.static_range(NUM_SPLITS):
-                m_s = tl.load(m_ptr + ml_base + s_, mask=g_ok, other=0.0, cache_modifier=".cg")
-                # Empty splits weigh exp(-inf) = 0. m is in the log2 domain except for fp64 (above).
-                if ACC_F64:
-                    w = tl.exp(m_s - m_max)
-                else:
-                    w = tl.exp2(m_s - m_max)
-                den += tl.load(l_ptr + ml_base + s_, mask=g_ok, other=0.0, cache_modifier=".cg") * w
-                num += tl.load(acc_ptrs + s_ * D_PAD, mask=g_ok[:, None], other=0.0, cache_modifier=".cg") * w[:, None]
-            o_ptrs = out_ptr + row * stride_on + heads[:, None] * stride_oh + d[None, :] * stride_od
-            tl.store(o_ptrs, (num / den[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
-            tl.atomic_xchg(counter, 0)  # the next launch (a graph replay) counts from zero
+        ml_off = (row * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+        tl.store(m_ptr + ml_off, m_i, mask=g_ok)
+        tl.store(l_ptr + ml_off, l_i, mask=g_ok)
+        tl.store(acc_ptr + ml_off[:, None] * D_PAD + d[None, :], acc, mask=g_ok[:, None])
+
+
+def _merge_kernel(
+    m_ptr, l_ptr, acc_ptr, out_ptr,
+    stride_on, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+    ACC_F64: tl.constexpr, PDL: tl.constexpr,
+):
+    """One (row, q head): merge the splits' partial softmax states into the output (PDL: every
+    input is the attention kernel's, so only the index math runs before the wait)."""
+    row = tl.program_id(0).to(tl.int64)  # int64: see _attn_kernel
+    head = tl.program_id(1).to(tl.int64)
+    sp = tl.arange(0, S_PAD)
+    d = tl.arange(0, D_PAD)
+    sp_ok = sp < NUM_SPLITS
+    base = (row * tl.num_programs(1) + head) * NUM_SPLITS
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    m = tl.load(m_ptr + base + sp, mask=sp_ok, other=float("-inf"))
+    l = tl.load(l_ptr + base + sp, mask=sp_ok, other=0.0)
+    acc = tl.load(acc_ptr + (base + sp)[:, None] * D_PAD + d[None, :], mask=sp_ok[:, None], other=0.0)
+    m_max = tl.max(m, axis=0)  # finite: split 0 always holds token 0
+    # Empty splits weigh exp(-inf) = 0. m is in the log2 domain except for fp64 (see _attn_kernel).
+    if ACC_F64:
+        w = tl.exp(m - m_max)
+    else:
+        w = tl.exp2(m - m_max)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptr + row * stride_on + head * stride_oh + d * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def _write_kv_kernel(
@@ -271,24 +270,6 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# device → the split counters it has held, newest last. Older buffers stay referenced: a captured
-# graph may still point at one.
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-# Counters of a first buffer: more than the (row, kv head) pairs any auto-split launch has (< 2 · SMs).
-_MIN_COUNTERS = 4096
-
-
-def _split_counters(device: torch.device, needed: int) -> torch.Tensor:
-    """Zeroed int32 counters, at least `needed`, that split merges leave at zero. Allocated on a
-    device's first split launch (a warm-up, before any capture) and grown only when an explicit
-    num_splits asks for more (tests): a buffer allocated during a capture lives in its pool."""
-    held = _COUNTERS.setdefault(device, [])
-    if not held or held[-1].numel() < needed:
-        size = max(needed, 2 * held[-1].numel() if held else _MIN_COUNTERS)
-        held.append(torch.zeros(size, dtype=torch.int32, device=device))
-    return held[-1]
-
-
 def _check_device(*tensors: torch.Tensor) -> None:
     """Triton must be importable; compiled kernels need CUDA tensors, CPU ones work only under TRITON_INTERPRET=1."""
     if triton is None:
@@ -328,7 +309,7 @@ def paged_attention(
     k_cache, v_cache: [num_blocks, block_size, Hkv, Dh], any strides (views of a bigger pool are read
     in place); block_tables: int32 [N, max_blocks], any strides; context_lens: int32 [N] ≥ 1 and
     ≤ max_blocks·block_size. num_splits / tile override the heuristics (tests, tuning). launch: how
-    the kernel is launched (PDL or not). out: where to write the
+    the attention kernel and the split merge are launched (PDL or not). out: where to write the
     result (q's shape and dtype, any row stride; returned), else a new tensor.
     """
     num_rows, num_heads, head_dim = q.shape
@@ -369,14 +350,13 @@ def paged_attention(
         m = torch.empty(num_rows, num_heads, splits, device=q.device, dtype=acc_dtype)
         l = torch.empty_like(m)
         acc = torch.empty(num_rows, num_heads, splits, d_pad, device=q.device, dtype=acc_dtype)
-        counts = _split_counters(q.device, num_rows * num_kv_heads)
     else:
-        m = l = acc = counts = out  # unused by the single-split kernel
+        m = l = acc = out  # unused by the single-split kernel
     # fp64 reads its scale (natural-log domain) from a tensor; a fill kernel, so graph capture still works.
     scale_t = torch.full((1,), float(scale), dtype=torch.float64, device=q.device) if f64 else out
 
     _kernel(_attn_kernel)[(num_rows, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, m, l, acc, counts,
+        q, k_cache, v_cache, block_tables, context_lens, out, m, l, acc,
         float(scale) * _LOG2E, scale_t,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         split_tokens,
@@ -385,6 +365,12 @@ def paged_attention(
         USE_DOT=use_dot, DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, ACC_F64=f64,
         **launch.kwargs(num_warps=4, num_stages=3),
     )
+    if splits > 1:
+        _kernel(_merge_kernel)[(num_rows, num_heads)](
+            m, l, acc, out, *out.stride(),
+            HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=splits, S_PAD=triton.next_power_of_2(splits), ACC_F64=f64,
+            **launch.kwargs(),
+        )
     return out
 
 

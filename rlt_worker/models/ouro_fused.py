@@ -13,7 +13,7 @@ and runs `loop` as, per decoder layer,
                                        input_layernorm (model.norm after the last layer)
 
 plus one plain RMSNorm at the loop's start: per layer 4 GEMMs, 3 elementwise launches and the
-context's (the rotating K/V write, the attention) instead of ~58 kernels. A context
+context's (the rotating K/V write, the attention, a split merge) instead of ~58 kernels. A context
 without attend_rotary (a test's or a script's own) gets the same numbers by composition: rope_qk,
 then its attend (`rope_then_attend`).
 
