@@ -154,6 +154,8 @@ class Worker:
         runs; an in-process engine made next would find the KV pool still taken (on CUDA, still
         reserved by the caching allocator as well)."""
         on_cuda = self.runner is not None and self.runner.device.type == "cuda"
+        if on_cuda:  # plans still in flight read what is freed below (their copies run on a side stream)
+            torch.cuda.synchronize(self.runner.device)
         self.runner = None
         gc.collect()
         if on_cuda:

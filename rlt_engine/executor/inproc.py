@@ -47,10 +47,8 @@ class InprocExecutor(Executor):
         from rlt_worker.worker import Worker
 
         assert worker == 0
-        if self._worker is not None:
-            self._worker.close()
+        self._close_worker()
         self._worker = Worker(self._hello)
-        self._pending = []
         self._done.append((0, self.start()[0]))
 
     def submit(self, worker: int, plan: ExecutionPlan) -> None:
@@ -68,6 +66,14 @@ class InprocExecutor(Executor):
         return done
 
     def shutdown(self) -> None:
+        self._close_worker()
+        self._done = []
+
+    def _close_worker(self) -> None:
+        """Drop the uncollected results first: they hold the worker's device tensors (on CUDA, some
+        from its graphs' private pools), so the worker's close could free them only after this
+        executor died, and the allocator would keep that memory reserved from the next engine."""
+        self._pending = []
         if self._worker is not None:
             self._worker.close()
             self._worker = None
