@@ -82,10 +82,13 @@ class EngineConfig:
     fused_layers: bool = _opt(True, "Ouro's decoder layers through fused Triton kernels (residual add + "
                                     "RMSNorm, RoPE, SwiGLU) over packed q|k|v and gate|up weights (CUDA with "
                                     "Triton attention only; --no-fused-layers runs the torch modules, for A/B)")
-    launch_pdl: bool = _opt(False, "launch the decode pass's Triton kernels (add + RMSNorm, the rotating K/V "
-                                   "write, attention, split merge, SwiGLU) with programmatic dependent launch, "
-                                   "so each may start while its predecessor drains (CUDA sm_90+ with Triton "
-                                   "attention; elsewhere plain launches)")
+    # On: at one row, where every GEMV is a Triton strip, the H200 at c = 1 gave 201.1 against 175.1 tok/s
+    # fixed and 308.9 against 268.2 trace (docs/benchmarks.md); passes with cuBLAS GEMMs launch plainly.
+    launch_pdl: bool = _opt(True, "launch the decode pass's Triton kernels (add + RMSNorm, the rotating K/V "
+                                  "write, attention, split merge, SwiGLU, strip GEMVs) with programmatic "
+                                  "dependent launch, so each may start while its predecessor drains, in the "
+                                  "passes where it pays: Ouro's fused passes whose GEMVs are all Triton (1 row); "
+                                  "CUDA sm_90+ with Triton attention, elsewhere plain launches")
     # On: ouro on the H200 at c1868c1 gave 217.4 against 172.5 tok/s at c = 1 and 1,694.3 against 1,387.0 at
     # c = 32 (gated 8/8 float32; docs/benchmarks.md).
     device_refill: bool = _opt(True, "gate exits (ouro) of greedy rows: the exit test, CODA, sampling and the "

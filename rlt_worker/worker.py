@@ -82,11 +82,12 @@ class Worker:
         device = torch.device(config.device)
         dtype = DTYPES[config.dtype]
         model = load_model(config.model, dtype=dtype, device=device)
-        launch = KernelLaunch.for_device(config.launch_pdl, device)  # one launch for every Triton kernel
+        launch = KernelLaunch.for_device(config.launch_pdl, device)
         if config.fused_layers:  # the CUDA fast path: set only for CUDA with Triton attention (EngineConfig)
             from rlt_worker.models.ouro_fused import with_fused_layers  # imports Triton: only when used
 
             model = with_fused_layers(model, launch)
+        launch = model.kernel_launch(launch)  # PDL only in the passes where it pays
         info = model.info
         max_depth = config.max_loops or info.default_depth  # D
         planes = num_planes(info, config.kv_layout, max_depth)

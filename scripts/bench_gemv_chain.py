@@ -1,4 +1,4 @@
-"""A decode pass's GEMVs as one dependent chain: cuBLAS against split-K, launched plain and with PDL.
+"""A decode pass's GEMVs as one dependent chain: cuBLAS and cuBLASLt against split-K and strip GEMVs, plain and PDL.
 
 Run on the GPU host (~1.5 minutes with --sweep, most of it compiling the candidates):
 
@@ -18,10 +18,13 @@ activations stay of order 1), `--layers` distinct layers so each weight comes fr
         q|k|v → o: its first 2048 columns (the width of attention's output)
         gate|up → down: its first 5632 (the width of SwiGLU's output)
 
-Modes: `cublas` (F.linear), `splitk` (SplitKGemv, plain launches), `splitk_pdl` (SplitKGemv with
-KernelLaunch(pdl=True)); one SplitKGemv per shape serves all layers, as FusedOuroModel's does.
-Each split-K mode takes one SplitKConfig per shape from CANDIDATES: the first (a guess), or with
-`--sweep` the fastest, timed first in a single-shape chain (--layers GEMVs of that shape on one
+Modes: `cublas` (F.linear), `cublaslt` (F.linear with torch's preferred BLAS library cuBLASLt
+while the chain runs and is captured), `splitk` (SplitKGemv, plain launches), `splitk_pdl`
+(SplitKGemv with KernelLaunch(pdl=True)), `strip` and `strip_pdl` (StripGemv: rlt_worker/kernels/
+strip_gemv.py, each program a strip of whole weight rows); one GEMV per shape serves all layers, as
+FusedOuroModel's does. Each Triton mode takes one setting per shape from its family's candidates
+(CANDIDATES, STRIP_CANDIDATES): the first (a guess), or with `--sweep` the fastest, timed first in
+a single-shape chain (--layers GEMVs of that shape on one
 input: stream order serializes them as a data dependency would, and a PDL launch waits on its
 predecessor whatever it reads) and picked by time summed over the row counts (one setting serves
 every M: batch invariance).
@@ -29,8 +32,8 @@ every M: batch invariance).
 Before timing, each mode is checked against cuBLAS: every shape's GEMV (layer 0) within one bf16
 ulp (rtol 2⁻⁷, atol 2e-3), the whole chain's graph output within 0.1 relative (96 roundings
 compound: a CPU simulation of two fp32 summation orders gives 0.02-0.03 after 24 layers; a wrong
-chain gives ~1.4); splitk_pdl's graph output bit-equal to splitk's, and each split-K graph
-bit-equal to its eager chain. Timing: the whole chain (4·layers GEMVs) captured in one CUDA graph,
+chain gives ~1.4); each PDL mode's graph output bit-equal to its plain mode's, and each Triton
+mode's graph bit-equal to its eager chain. Timing: the whole chain (4·layers GEMVs) captured in one CUDA graph,
 warmed up, then --batches batches of --per-batch replays between CUDA events, the modes' batches
 interleaved; the median batch, per chain. Reported per mode and M: ms per chain, GB/s of weights,
 the ratio to cuBLAS (> 1: faster), the configs.
@@ -46,7 +49,9 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,11 +60,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rlt_worker.kernels.launch import PLAIN, KernelLaunch, interpreting  # noqa: E402
 from rlt_worker.kernels.splitk_gemv import SplitKConfig, SplitKGemv  # noqa: E402
-from rlt_worker.models.ouro_fused import SPLITK_MAX_ROWS  # noqa: E402
+from rlt_worker.kernels.strip_gemv import StripConfig, StripGemv, split_k  # noqa: E402
+from rlt_worker.models.ouro_fused import SPLITK_MAX_ROWS, STRIP_SETTINGS  # noqa: E402
 
 # (name, out_features, in_features) of one layer's GEMVs in chain order (Ouro-1.4B, packed weights).
 LAYER = (("q|k|v", 6144, 2048), ("o", 2048, 2048), ("gate|up", 11264, 2048), ("down", 2048, 5632))
-MODES = ("cublas", "splitk", "splitk_pdl")
+MODES = ("cublas", "cublaslt", "splitk", "splitk_pdl", "strip", "strip_pdl")
 
 # (block_n, block_k, splits, num_warps, num_stages) per shape, the first one the default. Seeded by
 # the kernel's isolated sweep (docs/benchmarks/h200-splitk-sweep-7d64e4e.json: only tl.dot settings
@@ -77,6 +83,15 @@ CANDIDATES: dict[str, tuple[tuple[int, int, int, int, int], ...]] = {
                 (32, 256, 2, 4, 1), (32, 256, 1, 4, 3)),
     "down": ((32, 256, 4, 4, 1), (64, 256, 4, 8, 1), (32, 512, 4, 4, 1), (32, 256, 8, 4, 1),
              (16, 256, 4, 4, 1), (32, 256, 4, 4, 3)),
+}
+# (block_n, num_warps) per shape to sweep, after the model's own setting (STRIP_SETTINGS), the
+# default: the strip is block_n·K elements over 32·num_warps threads, 32-192 of them a thread
+# (K = 5632 runs as 4096 + 2048 masked lanes).
+STRIP_CANDIDATES: dict[str, tuple[tuple[int, int], ...]] = {
+    "q|k|v": ((4, 4), (2, 4), (8, 4), (4, 8), (8, 8), (16, 8)),
+    "o": ((4, 4), (2, 4), (1, 4), (4, 8), (8, 8), (2, 2)),
+    "gate|up": ((4, 4), (2, 4), (8, 4), (4, 8), (8, 8), (16, 8)),
+    "down": ((2, 8), (1, 4), (2, 4), (4, 8), (1, 2), (4, 16)),
 }
 GEMV_TOL = dict(rtol=2.0**-7, atol=2e-3)  # one bf16 ulp between two roundings of fp32 sums
 CHAIN_RTOL = 0.1  # relative norm of the difference after the whole chain (module docstring)
@@ -106,6 +121,70 @@ def candidates(name: str) -> list[SplitKConfig]:
     return [SplitKConfig(bn, bk, s, nw, ns, True) for bn, bk, s, nw, ns in CANDIDATES[name]]
 
 
+def strip_candidates(name: str) -> list[StripConfig]:
+    """The shape's strip settings to try, the model's (bf16) first."""
+    n, k = next((n, k) for layer_name, n, k in LAYER if layer_name == name)
+    swept = [StripConfig(bn, nw) for bn, nw in STRIP_CANDIDATES[name]]
+    own = STRIP_SETTINGS.get((n, k, torch.bfloat16))
+    return [own, *(cfg for cfg in swept if cfg != own)] if own else swept
+
+
+Setting = SplitKConfig | StripConfig
+Gemv = SplitKGemv | StripGemv
+
+
+@dataclass(frozen=True)
+class Family:
+    """A Triton GEMV the chain can run: its settings per shape, how one is built, and its record."""
+
+    candidates: Callable[[str], list]
+    build: Callable[[int, int, Setting, KernelLaunch, int, torch.device], Gemv]
+    record: Callable[[Setting, int, int, int], dict]
+
+
+def splitk_record(cfg: SplitKConfig, n: int, k: int, max_rows: int) -> dict:
+    """The setting, the slices it runs (a count that leaves a slice empty gives fewer) and its programs."""
+    gemv = SplitKGemv(n, k, cfg, max_rows, "cpu")  # only for its slice count: a CPU workspace of a few KB
+    return {**vars(cfg), "splits_run": gemv.splits, "programs": gemv.splits * math.ceil(n / cfg.block_n)}
+
+
+def strip_record(cfg: StripConfig, n: int, k: int, max_rows: int) -> dict:
+    """The setting, its programs and the strip's elements per thread (masked lanes included)."""
+    del max_rows  # a strip has no row tile: rows loop over the strip in registers
+    k_hi, k_lo, k_lo_pad = split_k(k)
+    lanes = k_hi + (k_lo_pad if k_lo else 0)
+    return {**vars(cfg), "programs": math.ceil(n / cfg.block_n),
+            "strip_elements_per_thread": cfg.block_n * lanes // (32 * cfg.num_warps)}
+
+
+FAMILIES = {
+    "splitk": Family(candidates, lambda n, k, cfg, launch, rows, device: SplitKGemv(n, k, cfg, rows, device, launch),
+                     splitk_record),
+    "strip": Family(strip_candidates, lambda n, k, cfg, launch, rows, device: StripGemv(n, k, cfg, rows, launch),
+                    strip_record),
+}
+
+
+def family_of(mode: str) -> str | None:
+    """The Triton family a mode runs (splitk_pdl → splitk), or None for the cuBLAS modes."""
+    name = mode.removesuffix("_pdl")
+    return name if name in FAMILIES else None
+
+
+@contextmanager
+def blas_for(mode: str) -> Iterator[None]:
+    """torch's preferred BLAS library for the mode (cuBLASLt for `cublaslt`), restored afterwards."""
+    if mode != "cublaslt":
+        yield
+        return
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
 def layer_bytes(itemsize: int = 2) -> int:
     """One layer's weight bytes (bf16: 102,760,448)."""
     return sum(n * k for _, n, k in LAYER) * itemsize
@@ -130,24 +209,28 @@ def run_chain(linear: Linear, layers: list[list[torch.Tensor]], x: torch.Tensor)
     return h
 
 
-def splitk_linear(gemvs: dict[tuple[int, int], SplitKGemv]) -> Linear:
-    """F.linear's signature over one SplitKGemv per weight shape."""
+def splitk_linear(gemvs: dict[tuple[int, int], Gemv]) -> Linear:
+    """F.linear's signature over one GEMV per weight shape."""
     return lambda x, w: gemvs[tuple(w.shape)](x, w)
 
 
-def make_gemvs(configs: dict[str, SplitKConfig], launch: KernelLaunch, max_rows: int, device: torch.device,
-               layer: tuple[tuple[str, int, int], ...] | None = None) -> dict[tuple[int, int], SplitKGemv]:
-    """One SplitKGemv per shape of `layer` (name, out, in; LAYER by default), with that name's setting."""
-    return {(n, k): SplitKGemv(n, k, configs[name], max_rows, device, launch) for name, n, k in layer or LAYER}
+def make_gemvs(configs: dict[str, Setting], launch: KernelLaunch, max_rows: int, device: torch.device,
+               layer: tuple[tuple[str, int, int], ...] | None = None,
+               family: str = "splitk") -> dict[tuple[int, int], Gemv]:
+    """One GEMV of `family` per shape of `layer` (name, out, in; LAYER by default), with that name's setting."""
+    build = FAMILIES[family].build
+    return {(n, k): build(n, k, configs[name], launch, max_rows, device) for name, n, k in layer or LAYER}
 
 
-def capture(run: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """run() once eagerly (compiles, cuBLAS workspaces), then captured: the graph and its output tensor."""
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+def capture(run: Callable[[], torch.Tensor], mode: str = "") -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """run() once eagerly (compiles, cuBLAS workspaces), then captured, both under the mode's BLAS
+    library: the graph and its output tensor."""
+    with blas_for(mode):
+        run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
     return graph, out
 
 
@@ -175,18 +258,19 @@ def time_graphs(graphs: dict[str, torch.cuda.CUDAGraph], batches: int, per_batch
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def label(cfg: SplitKConfig) -> str:
-    """A setting in a few characters: N32 K256 S4 w4 st1 (S: the slices asked for)."""
+def label(cfg: Setting) -> str:
+    """A setting in a few characters: N32 K256 S4 w4 st1 (S: the slices asked for), or a strip's N4 w4."""
+    if isinstance(cfg, StripConfig):
+        return f"N{cfg.block_n} w{cfg.num_warps}"
     return f"N{cfg.block_n} K{cfg.block_k} S{cfg.splits} w{cfg.num_warps} st{cfg.num_stages}"
 
 
-def config_record(cfg: SplitKConfig, n: int, k: int, max_rows: int) -> dict:
-    """The setting, the slices it runs (a count that leaves a slice empty gives fewer) and its programs."""
-    gemv = SplitKGemv(n, k, cfg, max_rows, "cpu")  # only for its slice count: a CPU workspace of a few KB
-    return {**vars(cfg), "splits_run": gemv.splits, "programs": gemv.splits * math.ceil(n / cfg.block_n)}
+def config_record(cfg: Setting, n: int, k: int, max_rows: int) -> dict:
+    """The setting's JSON record (its family's)."""
+    return FAMILIES["strip" if isinstance(cfg, StripConfig) else "splitk"].record(cfg, n, k, max_rows)
 
 
-def time_candidate(args: argparse.Namespace, gemv: SplitKGemv, weights: list[torch.Tensor],
+def time_candidate(args: argparse.Namespace, gemv: Gemv, weights: list[torch.Tensor],
                    xs: dict[int, torch.Tensor]) -> dict[int, float]:
     """ms per single-shape chain (each weight once, one input) at each row count."""
     ms = {}
@@ -198,21 +282,22 @@ def time_candidate(args: argparse.Namespace, gemv: SplitKGemv, weights: list[tor
 
 
 def sweep(args: argparse.Namespace, layers: list[list[torch.Tensor]], modes: dict[str, KernelLaunch],
-          rows_list: list[int]) -> tuple[dict[str, dict[str, SplitKConfig]], list[dict]]:
-    """Each split-K mode's fastest candidate per shape (least ms summed over the row counts), each timed
+          rows_list: list[int]) -> tuple[dict[str, dict[str, Setting]], list[dict]]:
+    """Each Triton mode's fastest candidate per shape (least ms summed over the row counts), each timed
     in a chain of --layers GEMVs of its shape; the JSON rows of every timing."""
     device = layers[0][0].device
-    picked: dict[str, dict[str, SplitKConfig]] = {mode: {} for mode in modes}
+    picked: dict[str, dict[str, Setting]] = {mode: {} for mode in modes}
     results = []
     for i, (name, n, k) in enumerate(LAYER):
         weights = [layer[i] for layer in layers]
         chain_bytes = len(weights) * n * k * weights[0].element_size()
         xs = {rows: torch.randn(rows, k, device=device, dtype=weights[0].dtype) for rows in rows_list}
         for mode, launch in modes.items():
-            timed: list[tuple[SplitKConfig, dict[int, float]]] = []
-            for cfg in candidates(name):
+            family = FAMILIES[family_of(mode)]
+            timed: list[tuple[Setting, dict[int, float]]] = []
+            for cfg in family.candidates(name):
                 try:
-                    ms = time_candidate(args, SplitKGemv(n, k, cfg, args.max_rows, device, launch), weights, xs)
+                    ms = time_candidate(args, family.build(n, k, cfg, launch, args.max_rows, device), weights, xs)
                 except Exception as exc:  # a setting the compiler cannot build (shared memory, registers): skip it
                     print(f"sweep {name:>7} {mode:>10} {label(cfg)}: skipped ({type(exc).__name__}: {str(exc)[:120]})")
                     continue
@@ -230,8 +315,9 @@ def sweep(args: argparse.Namespace, layers: list[list[torch.Tensor]], modes: dic
 
 
 def check(outputs: dict[str, torch.Tensor], eager: dict[str, torch.Tensor]) -> dict:
-    """The chain's graph outputs against cuBLAS's (CHAIN_RTOL), PDL against plain and graph against eager
-    (bit-equal); raises SystemExit on a failure. The relative errors, for the record."""
+    """The chain's graph outputs against cuBLAS's (CHAIN_RTOL), and each Triton mode's graph against its
+    eager chain launched plain with the same settings (bit-equal: for a PDL mode, PDL against plain);
+    raises SystemExit on a failure. The relative errors, for the record."""
     ref = outputs["cublas"].float()
     report = {}
     for mode, out in outputs.items():
@@ -239,13 +325,11 @@ def check(outputs: dict[str, torch.Tensor], eager: dict[str, torch.Tensor]) -> d
         report[mode] = {"chain_rel_err_vs_cublas": rel, "finite": bool(torch.isfinite(out).all())}
         if not report[mode]["finite"] or rel > CHAIN_RTOL:
             raise SystemExit(f"{mode}: the chain's output is {rel:.3g} (relative) from cuBLAS's (> {CHAIN_RTOL})")
-        if mode in eager and not torch.equal(out, eager[mode]):
-            raise SystemExit(f"{mode}: the graph replay differs from the eager chain")
-    if "splitk" in outputs and "splitk_pdl" in outputs:
-        equal = torch.equal(outputs["splitk"], outputs["splitk_pdl"])
-        report["pdl_bit_equal_plain"] = equal
-        if not equal:
-            raise SystemExit("splitk_pdl's chain output differs from splitk's: a PDL ordering bug")
+        if mode in eager:
+            report[mode]["graph_bit_equal_eager_plain"] = equal = torch.equal(out, eager[mode])
+            if not equal:
+                raise SystemExit(f"{mode}: the graph replay differs from the eager chain launched plain"
+                                 + (" (a PDL ordering bug)" if mode.endswith("_pdl") else ""))
     return report
 
 
@@ -256,7 +340,8 @@ def check_gemvs(linears: dict[str, Linear], layer: list[torch.Tensor], rows: int
         x = torch.randn(rows, k, device=w.device, dtype=w.dtype)
         want = F.linear(x, w)
         for mode, linear in linears.items():
-            got = linear(x, w)
+            with blas_for(mode):
+                got = linear(x, w)
             where = f"{mode} {name} M{rows}"
             torch.testing.assert_close(got, want, **GEMV_TOL, msg=lambda e, where=where: f"{where}: {e}")
             report[f"{mode} {name}"] = float((got.float() - want.float()).abs().max())
@@ -273,9 +358,9 @@ def main(argv: list[str] | None = None) -> None:
     if "cublas" not in mode_names or set(mode_names) - set(MODES):
         raise SystemExit(f"--modes: a subset of {MODES} with cublas (the reference), got {args.modes}")
     pdl = KernelLaunch.for_device(True, device)
-    if "splitk_pdl" in mode_names and not pdl.pdl:
+    if any(m.endswith("_pdl") for m in mode_names) and not pdl.pdl:
         raise SystemExit(f"{torch.cuda.get_device_name()} has no programmatic dependent launch (sm_90+)")
-    launches = {m: (pdl if m == "splitk_pdl" else PLAIN) for m in mode_names if m != "cublas"}
+    launches = {m: (pdl if m.endswith("_pdl") else PLAIN) for m in mode_names if family_of(m)}
     gen = torch.Generator(device=device).manual_seed(0)
     layers = [[(torch.randn(n, k, device=device, generator=gen) * k**-0.5).to(dtype) for _, n, k in LAYER]
               for _ in range(args.layers)]
@@ -287,12 +372,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.sweep:
         configs, sweep_results = sweep(args, layers, launches, rows_list)
     else:
-        configs = {m: {name: candidates(name)[0] for name, _, _ in LAYER} for m in launches}
+        configs = {m: {name: FAMILIES[family_of(m)].candidates(name)[0] for name, _, _ in LAYER} for m in launches}
         sweep_results = []
     sweep_s = time.perf_counter() - started
-    linears: dict[str, Linear] = {"cublas": F.linear}
+    linears: dict[str, Linear] = {m: F.linear for m in mode_names if not family_of(m)}
+    plain_twins: dict[str, Linear] = {}  # each Triton mode's settings, launched plain: the bitwise reference
     for mode, launch in launches.items():
-        linears[mode] = splitk_linear(make_gemvs(configs[mode], launch, args.max_rows, device))
+        linears[mode] = splitk_linear(make_gemvs(configs[mode], launch, args.max_rows, device, family=family_of(mode)))
+        plain_twins[mode] = splitk_linear(make_gemvs(configs[mode], PLAIN, args.max_rows, device,
+                                                     family=family_of(mode)))
 
     report_checks, results = {}, []
     for rows in rows_list:
@@ -301,9 +389,9 @@ def main(argv: list[str] | None = None) -> None:
         x = torch.randn(rows, LAYER[0][2], device=device, dtype=dtype, generator=gen)
         graphs, outputs, eager = {}, {}, {}
         for mode, linear in linears.items():
-            if mode != "cublas":
-                eager[mode] = run_chain(linear, layers, x)
-            graphs[mode], out = capture(lambda linear=linear, x=x: run_chain(linear, layers, x))
+            if mode in plain_twins:
+                eager[mode] = run_chain(plain_twins[mode], layers, x)
+            graphs[mode], out = capture(lambda linear=linear, x=x: run_chain(linear, layers, x), mode)
             graphs[mode].replay()
             torch.cuda.synchronize()
             outputs[mode] = out

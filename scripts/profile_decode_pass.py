@@ -24,6 +24,8 @@ both in the same run and compares them (bit-equal expected: PDL changes timing, 
 The PDL path packs its own copy of the q|k|v and gate|up weights (a second FusedOuroModel).
 `--splitk FILE` adds `fused-splitk`: the fused path with plain launches and the split-K settings
 that won in a `scripts/bench_linear.py --sweep --json FILE` run, compared with `fused` the same way.
+`--cublas-path` adds `fused-cublas`: the fused path with plain launches and no Triton GEMV tier
+(every GEMM on cuBLAS, as before the strip GEMVs), compared with `fused` the same way.
 
 Both paths share one KV pool of random K/V (only values read by attention; both write their own
 K/V of the pass at the same slots). The bytes a pass must read (loop weights + the context's K/V)
@@ -59,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the fused path with plain launches, with programmatic dependent launch, or both")
     p.add_argument("--splitk", default=None, metavar="FILE",
                    help="also time the fused path with the winning split-K settings of this bench_linear sweep JSON")
+    p.add_argument("--cublas-path", action="store_true",
+                   help="also time the fused path with every GEMM on cuBLAS (no strip or split-K GEMVs)")
     p.add_argument("--top", type=int, default=0, help="print the N kernel names with the most GPU time per path")
     p.add_argument("--json", default=None, help="write the results here")
     return p.parse_args(argv)
@@ -108,8 +112,11 @@ class Setup:
             settings = winning_settings(json.loads(Path(args.splitk).read_text()))
             print(f"fused-splitk: {len(settings)} weights on split-K: {settings}")
             paths.append(("fused-splitk", FusedOuroModel(self.reference, PLAIN, splitk=settings), PLAIN))
+        if args.cublas_path:
+            paths.append(("fused-cublas", FusedOuroModel(self.reference, PLAIN, splitk={}, strip={}), PLAIN))
         planes = num_planes(info, "last_exited", self.depth)
-        self.runners = {name: self._runner(model, launch, planes, max_rows, num_blocks)
+        # The attention backend launches as the worker's does: a fused model's row-bounded launch.
+        self.runners = {name: self._runner(model, model.kernel_launch(launch), planes, max_rows, num_blocks)
                         for name, model, launch in paths}
         state = torch.randn(max_rows, info.hidden_size, generator=gen, device=device, dtype=torch.float32)
         with torch.inference_mode():
@@ -270,6 +277,7 @@ def main(args: argparse.Namespace) -> dict:
         layers = setup.info.num_loop_kv_layers
         comparisons = [("torch", _fused_path(setup))] + ([("fused", "fused-pdl")] if args.pdl == "both" else [])
         comparisons += [(_fused_path(setup), "fused-splitk")] if args.splitk else []
+        comparisons += [(_fused_path(setup), "fused-cublas")] if args.cublas_path else []
         for rows in rows_list:
             outs = {name: setup.run_pass(name, rows, args.context) for name in setup.runners}
             report["parity"].extend({"pair": f"{b} vs {a}", "dtype": dtype_name, "rows": rows,

@@ -2,7 +2,9 @@
 kernel intervals: their union, and the gaps between them over 20 µs, with the activities on either side
 of them), the kernels by total GPU time, and the host's Python (cProfile).
 
-    python scripts/profile_ouro_gap.py OUT_DIR     # CUDA; writes OUT_DIR/ouro_gap.json
+    python scripts/profile_ouro_gap.py OUT_DIR [MODES]   # CUDA; writes OUT_DIR/ouro_gap.json
+
+MODES: exit modes, comma-separated (default ouro,trace; fixed too, say).
 
 Each mode runs two warm-up requests, one timed, one under the profiler and one under cProfile
 (1,024-token prompt, 128 outputs, greedy; ouro at the bench's default threshold).
@@ -127,15 +129,17 @@ def profile_mode(mode: str) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    """OUT_DIR: each mode in a child process (OUT_DIR --mode MODE prints its report as JSON), then
+    """OUT_DIR [MODES]: each mode in a child process (OUT_DIR --mode MODE prints its report as JSON), then
     OUT_DIR/ouro_gap.json. A child per mode, so that neither mode's profile sees the other's
     allocator state or compiled kernels (and, before Worker.close freed its runner itself, the second
     engine found the first's KV pool still taken: docs/benchmarks.md)."""
     if len(argv) == 3 and argv[1] == "--mode":
         print(json.dumps(profile_mode(argv[2])))
         return
+    if not 1 <= len(argv) <= 2:
+        raise SystemExit("usage: profile_ouro_gap.py OUT_DIR [MODES]")
     report = {}
-    for mode in ("ouro", "trace"):
+    for mode in (argv[1] if len(argv) == 2 else "ouro,trace").split(","):
         child = subprocess.run([sys.executable, __file__, argv[0], "--mode", mode], check=True,
                                stdout=subprocess.PIPE, text=True)
         report[mode] = json.loads(child.stdout.strip().splitlines()[-1])

@@ -6,7 +6,7 @@
   forcing) passes for the fused engine, and for the torch-modules engine with graphs beside it.
 - bf16, the same model, 32 requests: every CODA's logits of the fused path against the torch
   modules' (both Triton attention + graphs; CODA eager there, since the logits are recorded from
-  lm_head calls) within bf16 tolerance; no capture while serving.
+  lm_head calls) within bf16 tolerance; no capture while serving but mixed passes' (first use).
 
 Skipped without CUDA. Run on the device machine: python -m pytest -m gpu tests/test_gpu_fused.py -s
 """
@@ -90,7 +90,9 @@ def test_bf16_logits_fused_vs_torch_modules() -> None:
     want, want_out, _ = _bf16_run(False, prompts, params)
     got, got_out, stats = _bf16_run(True, prompts, params)
     print(f"\nfused bf16 graph counters: {stats}")
-    assert stats["lazy_captures"] == 0 and stats["eager_passes"] == 0 and stats["replays"] > 0, stats
+    # Mixed passes' graphs are captured at first use (rlt_worker/mixed_graphs.py), no other graph.
+    assert stats["lazy_captures"] == stats["mixed_captures"] and stats["eager_passes"] == 0, stats
+    assert stats["replays"] > 0, stats
     assert set(want) == set(got) and len(want) == 32 * 6
     # Compare where both paths fed the same tokens back.
     first_diff = {key: next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y),

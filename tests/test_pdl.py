@@ -6,15 +6,17 @@ Triton's own compiler (no GPU needed: PTX through the bundled ptxas) orders its 
 contract says: one griddepcontrol.wait, launch_dependents right after it, every store after it,
 and before it no global load but add + RMSNorm's norm weights; with PDL off, no griddepcontrol at
 all. The split-K GEMV (tl.dot with split-K, multiply-add without) loads its slice's first weight
-tile before the wait and calls launch_dependents after its K loop, before any store or atomic.
+tile before the wait and calls launch_dependents after its K loop, before any store or atomic; the
+strip GEMV loads its whole weight strip before the wait and nothing else. A row-bounded launch
+(`pdl_max_rows`) launches larger passes plainly.
 The interpreter has no grid dependency control, so it only ever runs the kernels with PDL off
 (the rest of the suite).
 
 GPU (marked gpu): one fused loop pass of synthetic-ouro-1.4b (bf16, context 1,024) captured in a
 CUDA graph with PDL on and with it off, rows 1 (split attention + merge) and 32 (no split): every
-replay's output bit for bit the same. And the engine with `launch_pdl` (toy-ouro, bf16, start-up
-graphs, prefill graphs): its worker's fused model and attention backend launch with PDL, and greedy
-tokens equal the plain engine's.
+replay's output bit for bit the same. And the engine with `launch_pdl` (synthetic-ouro-1.4b, bf16,
+one request at a time): its worker's fused model and attention backend launch with PDL bounded to
+one row, and greedy tokens equal the plain engine's.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from rlt_worker.kernels.launch import PLAIN, KernelLaunch
 pytestmark = pytest.mark.skipif(tb.triton is None, reason="Triton is not installed")
 
 
-def test_pdl_is_chosen_for_cuda_with_triton_only_and_off_by_default() -> None:
-    assert EngineConfig(device="cuda").resolved().launch_pdl is False
+def test_pdl_is_chosen_for_cuda_with_triton_only_and_on_by_default() -> None:
+    assert EngineConfig(device="cuda").resolved().launch_pdl is True
+    assert EngineConfig(device="cuda", launch_pdl=False).resolved().launch_pdl is False
     assert EngineConfig(device="cpu", launch_pdl=True).resolved().launch_pdl is False
     assert EngineConfig(device="cuda", attention_backend="torch", launch_pdl=True).resolved().launch_pdl is False
     cuda = EngineConfig(device="cuda", launch_pdl=True).resolved()
@@ -47,15 +50,26 @@ def test_launch_for_a_device_without_pdl_is_plain(monkeypatch: pytest.MonkeyPatc
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert KernelLaunch.for_device(False, torch.device("cpu")) is PLAIN
     assert KernelLaunch.for_device(True, torch.device("cpu")) is PLAIN
-    assert KernelLaunch(pdl=True).kwargs(num_warps=4) == {"num_warps": 4, "PDL": True, "launch_pdl": True}
-    assert PLAIN.kwargs(num_warps=4) == {"num_warps": 4, "PDL": False, "launch_pdl": False}
+    assert KernelLaunch(pdl=True).kwargs(32, num_warps=4) == {"num_warps": 4, "PDL": True, "launch_pdl": True}
+    assert PLAIN.kwargs(1, num_warps=4) == {"num_warps": 4, "PDL": False, "launch_pdl": False}
+
+
+def test_a_row_bound_launches_larger_passes_plainly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    bounded = KernelLaunch(pdl=True).bounded(1)
+    assert bounded.pdl_max_rows == 1 and bounded.bounded(4).pdl_max_rows == 1 and bounded.bounded(0).pdl_max_rows == 0
+    assert bounded.kwargs(1)["launch_pdl"] is True and bounded.kwargs(2) == {"PDL": False, "launch_pdl": False}
+    assert KernelLaunch(pdl=True).bounded(0).kwargs(1)["PDL"] is False
+    assert PLAIN.bounded(8) is PLAIN
+    with pytest.raises(ValueError, match="pdl_max_rows"):
+        KernelLaunch(pdl=True, pdl_max_rows=-1)
 
 
 def test_the_interpreter_never_launches_with_pdl(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(ValueError, match="compiled kernels"):
         KernelLaunch(pdl=True)
-    assert PLAIN.kwargs(num_warps=4) == {"PDL": False}  # the interpreter takes no compile options
+    assert PLAIN.kwargs(1, num_warps=4) == {"PDL": False}  # the interpreter takes no compile options
 
 
 def test_backends_under_pdl(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -107,6 +121,11 @@ SPLITK_KERNELS: dict[str, tuple[dict, dict]] = {
                    dict(num_warps=4, num_stages=1)),
 }
 SPLITK_TYPES = {"part_ptr": "*fp32", "count_ptr": "*i32"}
+# The strip GEMV (kernels/strip_gemv.py) at q|k|v's K (a power of two) and down's (4096 + 1536 lanes).
+STRIP_KERNELS: dict[str, tuple[dict, dict]] = {
+    "strip_pow2": (dict(BLOCK_N=2, K_HI=2048, K_LO=0, K_LO_PAD=1), dict(num_warps=4, num_stages=1)),
+    "strip_rest": (dict(BLOCK_N=1, K_HI=4096, K_LO=1536, K_LO_PAD=2048), dict(num_warps=4, num_stages=1)),
+}
 SPLITK_DIVISIBLE = ("N", "K", "stride_xm", "stride_wn", "stride_ym", "k_per_split")
 
 
@@ -115,14 +134,17 @@ def _ptx_memory_ops(name: str, pdl: bool) -> tuple[list[str], bool]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from rlt_worker.kernels import splitk_gemv
+    from rlt_worker.kernels import splitk_gemv, strip_gemv
 
     if name in SPLITK_KERNELS:
         fn, (constexprs, options), types = splitk_gemv._splitk_kernel, SPLITK_KERNELS[name], SPLITK_TYPES
         divisible = SPLITK_DIVISIBLE
+    elif name in STRIP_KERNELS:
+        fn, (constexprs, options), types = strip_gemv._strip_kernel, STRIP_KERNELS[name], {}
+        divisible = SPLITK_DIVISIBLE[:-1]
     else:
         (fn, constexprs, types, options), divisible = KERNELS[name], ()
-    options = KernelLaunch(pdl=pdl).kwargs(**options)  # what a wrapper passes: the PDL constexpr is one of them
+    options = KernelLaunch(pdl=pdl).kwargs(1, **options)  # what a wrapper passes: the PDL constexpr is one of them
     constexprs = {**constexprs, "PDL": options.pop("PDL")}
     args = list(inspect.signature(fn).parameters)
     signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "*bf16" if arg.endswith("_ptr") else "i32")
@@ -135,19 +157,26 @@ def _ptx_memory_ops(name: str, pdl: bool) -> tuple[list[str], bool]:
     return ops, kernel.metadata.launch_pdl
 
 
-@pytest.mark.parametrize("name", list(KERNELS))
-def test_pdl_kernels_wait_before_reading_activations_and_before_storing(compiled: None, name: str) -> None:
+def _around_the_wait(name: str) -> tuple[list[str], list[str]]:
+    """A PDL kernel's memory ops before its one wait and after its launch_dependents, which follows the
+    wait at once; before the wait plain loads only (no store, no async copy), a store after."""
     ops, launch_pdl = _ptx_memory_ops(name, pdl=True)
     assert launch_pdl is True
     assert ops.count("griddepcontrol.wait") == 1 and ops.count("griddepcontrol.launch_dependents") == 1, ops
     wait = ops.index("griddepcontrol.wait")
     assert ops[wait + 1] == "griddepcontrol.launch_dependents", ops
     before, after = ops[:wait], ops[wait + 2 :]
-    assert all(op == "ld.global" for op in before), before  # no store, no async copy before the wait
-    assert any(op == "st.global" for op in after)
+    assert all(op == "ld.global" for op in before), before
+    assert "st.global" in after, after
+    return before, after
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_pdl_kernels_wait_before_reading_activations_and_before_storing(compiled: None, name: str) -> None:
+    before, after = _around_the_wait(name)
     if name == "add_rmsnorm":
         # w_a and w_b before the wait, x and h (as wide) after it.
-        assert len(before) == after.count("ld.global") > 0, ops
+        assert len(before) == after.count("ld.global") > 0, (before, after)
     else:
         assert before == [], before
 
@@ -169,7 +198,15 @@ def test_pdl_splitk_gemv_loads_only_its_first_weight_tile_before_the_wait(compil
         assert not any(op.startswith(("st.", "atom.", "red.")) for op in before + loop), ops
 
 
-@pytest.mark.parametrize("name", [*KERNELS, *SPLITK_KERNELS])
+@pytest.mark.parametrize("name", list(STRIP_KERNELS))
+def test_pdl_strip_gemv_loads_its_whole_strip_before_the_wait(compiled: None, name: str) -> None:
+    """Before the wait the weight strip's loads only; launch_dependents right after it; x's loads and
+    y's stores after them."""
+    before, after = _around_the_wait(name)
+    assert before and "ld.global" in after, (before, after)
+
+
+@pytest.mark.parametrize("name", [*KERNELS, *SPLITK_KERNELS, *STRIP_KERNELS])
 def test_plain_kernels_have_no_grid_dependency_control(compiled: None, name: str) -> None:
     ops, launch_pdl = _ptx_memory_ops(name, pdl=False)
     assert launch_pdl is False
@@ -248,21 +285,25 @@ def test_gpu_pdl_pass_equals_plain_bit_for_bit_in_a_graph(synthetic_ouro, rows: 
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_engine_with_launch_pdl_gives_the_plain_engines_tokens() -> None:
+    """synthetic-ouro-1.4b (bf16) one request at a time, so its decode passes have one row, where the
+    strips make every GEMV Triton's and PDL applies: the same greedy tokens as with launch_pdl off."""
     import random
 
     from protocol.messages import SamplingParams
     from rlt_engine import LLM
 
     rng = random.Random("pdl")
-    prompts = [[rng.randrange(256) for _ in range(rng.randint(4, 40))] for _ in range(6)]
+    prompts = [[rng.randrange(49152) for _ in range(rng.randint(4, 40))] for _ in range(3)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     tokens = {}
     for pdl in (False, True):
-        with LLM("toy-ouro", workers=0, device="cuda", dtype="bfloat16", exit_mode="fixed", launch_pdl=pdl,
-                 max_num_seqs=4, num_blocks=256) as llm:
+        with LLM("synthetic-ouro-1.4b", workers=0, device="cuda", dtype="bfloat16", exit_mode="fixed",
+                 launch_pdl=pdl, max_num_seqs=1, num_blocks=256) as llm:
             runner = llm.engine.executor._worker.runner
-            assert runner.model.launch.pdl is pdl and (runner._backend is tb) is not pdl
+            launch = runner.model.launch
+            assert launch.pdl is pdl and (runner._backend is tb) is not pdl
+            assert launch.pdl_max_rows == (1 if pdl else None), launch
             tokens[pdl] = [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
             stats = runner.graph_stats
-        assert stats["replays"] > 0, stats  # the passes ran from graphs captured with PDL launches
+        assert stats["replays"] > 0 and any(bucket.startswith("1x") for bucket in stats["buckets"]), stats
     assert tokens[True] == tokens[False]

@@ -133,18 +133,11 @@ def _toy_settings(dot: bool) -> dict:
             for dtype in (torch.float32, torch.float64)}  # float64 is listed, and still keeps F.linear
 
 
-def check_fused_loop(dot: bool, pass_rows: tuple[int, ...]) -> None:
-    """FusedOuroModel with split-K on toy-ouro (float32, interpreter) equals OuroModel.loop over 3 loops,
-    for passes of 5 rows (split-K) and of 9 rows (above max_rows: F.linear)."""
+def assert_fused_loops_equal(reference, fused, pass_rows: tuple[int, ...]) -> None:
+    """fused.loop equals reference.loop (OuroModel, float32) over 3 loops, for passes of each row count."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from test_fused_ops import LOOP_TOL, CausalRowsContext
 
-    from rlt_worker.models.loader import load_model
-    from rlt_worker.models.ouro_fused import FusedOuroModel, RowBoundLinear
-
-    reference = load_model("toy-ouro", dtype=torch.float32, device="cpu")
-    fused = FusedOuroModel(reference, splitk=_toy_settings(dot), splitk_max_rows=8)
-    assert isinstance(fused._linear, RowBoundLinear) and len(fused._linear._gemvs) == 3
     gen = torch.Generator().manual_seed(3)
     for rows in pass_rows:
         tokens = torch.randint(0, 256, (rows,), generator=gen)
@@ -158,6 +151,18 @@ def check_fused_loop(dot: bool, pass_rows: tuple[int, ...]) -> None:
                 got = fused.loop(got, embedded, positions, ctx)
                 torch.testing.assert_close(got, want, **LOOP_TOL[torch.float32],
                                            msg=lambda m, where=f"{rows} rows, loop {loop}": f"{where}: {m}")
+
+
+def check_fused_loop(dot: bool, pass_rows: tuple[int, ...]) -> None:
+    """FusedOuroModel with split-K on toy-ouro (float32, interpreter) equals OuroModel.loop over 3 loops,
+    for passes of 5 rows (split-K) and of 9 rows (above max_rows: F.linear)."""
+    from rlt_worker.models.loader import load_model
+    from rlt_worker.models.ouro_fused import FusedOuroModel, RowBoundLinear
+
+    reference = load_model("toy-ouro", dtype=torch.float32, device="cpu")
+    fused = FusedOuroModel(reference, splitk=_toy_settings(dot), splitk_max_rows=8)
+    assert isinstance(fused._linear, RowBoundLinear) and [len(g) for _, g in fused._linear.tiers] == [3]
+    assert_fused_loops_equal(reference, fused, pass_rows)
 
 
 def check_torch_path_kept() -> None:

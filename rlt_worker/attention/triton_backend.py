@@ -363,13 +363,13 @@ def paged_attention(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, TILE=tile, NUM_SPLITS=splits,
         USE_DOT=use_dot, DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, ACC_F64=f64,
-        **launch.kwargs(num_warps=4, num_stages=3),
+        **launch.kwargs(num_rows, num_warps=4, num_stages=3),
     )
     if splits > 1:
         _kernel(_merge_kernel)[(num_rows, num_heads)](
             m, l, acc, out, *out.stride(),
             HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=splits, S_PAD=triton.next_power_of_2(splits), ACC_F64=f64,
-            **launch.kwargs(),
+            **launch.kwargs(num_rows),
         )
     return out
 

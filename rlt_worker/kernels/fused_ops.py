@@ -178,9 +178,9 @@ def _swiglu_kernel(
     tl.store(out_ptr + row * stride_out + cols, out, mask=ok)
 
 
-def _options(num_warps: int, launch: KernelLaunch) -> dict[str, object]:
+def _options(num_warps: int, launch: KernelLaunch, rows: int) -> dict[str, object]:
     """Launch keywords: no FMA contraction (torch's unfused ops round each step), and launch's (PDL)."""
-    return launch.kwargs(num_warps=num_warps, enable_fp_fusion=False)
+    return launch.kwargs(rows, num_warps=num_warps, enable_fp_fusion=False)
 
 
 def _rows(t: torch.Tensor, name: str) -> None:
@@ -218,7 +218,7 @@ def add_rmsnorm(
         x.stride(0), h.stride(0) if has_residual else 0, x_out.stride(0), y.stride(0),
         hidden, 1.0 / hidden, eps,
         HAS_RESIDUAL=has_residual, BLOCK=block, F64=f64, LIBDEVICE=not _interpreting(),
-        **_options(4 if block <= 1024 else 8, launch),
+        **_options(4 if block <= 1024 else 8, launch, num_rows),
     )
     return x_out, y
 
@@ -294,7 +294,7 @@ def _rope(
         HALF=half, HALF_PAD=triton.next_power_of_2(half),
         KV_HEADS=num_kv_heads, KV_PAD=triton.next_power_of_2(num_kv_heads),
         BLOCK_SIZE=k_cache.shape[1] if cache else 1, TO_CACHE=cache is not None, F64=qkv.dtype == torch.float64,
-        **_options(4, launch),
+        **_options(4, launch, num_rows),
     )
 
 
@@ -312,6 +312,6 @@ def swiglu(gate_up: torch.Tensor, *, launch: KernelLaunch = PLAIN) -> torch.Tens
         _kernel(_swiglu_kernel)[(num_rows, triton.cdiv(inner, block))](
             gate_up, out, gate_up.stride(0), out.stride(0), inner,
             BLOCK=block, F64=gate_up.dtype == torch.float64, LIBDEVICE=not _interpreting(),
-            **_options(4, launch),
+            **_options(4, launch, num_rows),
         )
     return out

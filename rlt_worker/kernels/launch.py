@@ -15,6 +15,11 @@ without it returns at once, so the kernels are correct in any order of PDL and p
     PDL:    |== A ==|·drain·|
                   |B prologue|wait|== B ==|
 
+A launch may bound PDL by rows (`pdl_max_rows`): kernels of passes with more rows launch plainly.
+PDL pays where a pass has no cuBLAS kernel, whose launch has no PDL edge: on the H200 a 1-row pass
+of strip GEMVs took 1.121 ms with PDL and 1.335 without, while an 8-row pass (cuBLAS GEMMs) was 5%
+slower with it (docs/benchmarks.md). So FusedOuroModel bounds it by the rows its Triton GEMVs take.
+
 The gdc calls sit under a `PDL` constexpr: Triton's interpreter has no grid dependency control, so
 it only ever sees PDL = False.
 """
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -44,21 +49,33 @@ class KernelLaunch:
     """The launch options the decode pass's Triton wrappers take (`launch=`), chosen once by the worker.
 
     pdl: launch with programmatic dependent launch (module docstring).
+    pdl_max_rows: PDL only for launches over at most this many rows (None: every launch).
     """
 
     pdl: bool = False
+    pdl_max_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.pdl and interpreting():
             raise ValueError("programmatic dependent launch needs compiled kernels: unset TRITON_INTERPRET "
                              "or use KernelLaunch(pdl=False)")
+        if self.pdl_max_rows is not None and self.pdl_max_rows < 0:
+            raise ValueError(f"KernelLaunch.pdl_max_rows must be ≥ 0 or None, got {self.pdl_max_rows}")
 
-    def kwargs(self, **compile_options: object) -> dict[str, object]:
-        """A launch's keywords: the kernel's PDL constexpr, and (compiled only: the interpreter takes
-        no options) the compile options and Triton's launch_pdl flag."""
+    def kwargs(self, rows: int, **compile_options: object) -> dict[str, object]:
+        """A launch's keywords for a kernel over `rows` rows: the kernel's PDL constexpr, and (compiled
+        only: the interpreter takes no options) the compile options and Triton's launch_pdl flag."""
         if interpreting():
             return {"PDL": False}
-        return {**compile_options, "PDL": self.pdl, "launch_pdl": self.pdl}
+        pdl = self.pdl and (self.pdl_max_rows is None or rows <= self.pdl_max_rows)
+        return {**compile_options, "PDL": pdl, "launch_pdl": pdl}
+
+    def bounded(self, max_rows: int) -> KernelLaunch:
+        """This launch with PDL only for launches of at most max_rows rows (a tighter bound kept)."""
+        if not self.pdl:
+            return self
+        bound = max_rows if self.pdl_max_rows is None else min(max_rows, self.pdl_max_rows)
+        return replace(self, pdl_max_rows=bound)
 
     @classmethod
     def for_device(cls, pdl: bool, device: torch.device) -> KernelLaunch:

@@ -82,6 +82,20 @@ __all__ = ["SUPPORTED_DTYPES", "SplitKConfig", "SplitKGemv"]
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def check_gemv_args(kernel: str, shape: tuple[int, int], max_rows: int, x: torch.Tensor,
+                    weight: torch.Tensor) -> None:
+    """A GEMV call's x [M ≤ max_rows, K] and weight `shape` [N, K], unit column strides, one supported
+    dtype; a ValueError naming `kernel` otherwise."""
+    if x.dim() != 2 or tuple(weight.shape) != shape or x.shape[1] != shape[1] or x.shape[0] > max_rows:
+        raise ValueError(f"{kernel} for {shape[0]}×{shape[1]} weights and ≤ {max_rows} rows got "
+                         f"x {tuple(x.shape)} and weight {tuple(weight.shape)}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"{kernel} needs unit column strides, got x {x.stride()} and weight {weight.stride()}")
+    if x.dtype != weight.dtype or x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{kernel} needs x and weight of one of {SUPPORTED_DTYPES}, got {x.dtype} "
+                         f"and {weight.dtype} (float64 keeps F.linear)")
+
+
 def _splitk_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_wn, stride_ym, k_per_split, num_splits,
@@ -148,11 +162,11 @@ def _splitk_kernel(
 
 
 @functools.cache
-def _jitted(interpret: bool) -> Any:
-    """The kernel, jitted once per TRITON_INTERPRET mode. M is not specialized: Triton would build
+def jitted_gemv(kernel: Any, interpret: bool) -> Any:
+    """A GEMV kernel, jitted once per TRITON_INTERPRET mode. M is not specialized: Triton would build
     another binary for M = 1, and every M must run the same code (batch invariance)."""
     del interpret  # only part of the cache key; triton.jit reads the environment itself
-    return triton.jit(_splitk_kernel, do_not_specialize=["M"])
+    return triton.jit(kernel, do_not_specialize=["M"])
 
 
 @dataclass(frozen=True)
@@ -211,27 +225,19 @@ class SplitKGemv:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x·weightᵀ [M, N] in x's dtype, accumulated in fp32: one launch, no host synchronization."""
-        shape = (self.out_features, self.in_features)
-        if x.dim() != 2 or tuple(weight.shape) != shape or x.shape[1] != shape[1] or x.shape[0] > self.max_rows:
-            raise ValueError(f"SplitKGemv for {shape[0]}×{shape[1]} weights and ≤ {self.max_rows} rows got "
-                             f"x {tuple(x.shape)} and weight {tuple(weight.shape)}")
-        if x.stride(1) != 1 or weight.stride(1) != 1:
-            raise ValueError(f"SplitKGemv needs unit column strides, got x {x.stride()} and weight {weight.stride()}")
-        if x.dtype != weight.dtype or x.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"SplitKGemv needs x and weight of one of {SUPPORTED_DTYPES}, got {x.dtype} "
-                             f"and {weight.dtype} (float64 keeps F.linear)")
+        check_gemv_args("SplitKGemv", (self.out_features, self.in_features), self.max_rows, x, weight)
         _check_device(x, weight, self._counts)
-        m, (n, k) = x.shape[0], shape
+        m, n, k = x.shape[0], self.out_features, self.in_features
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
         if m == 0:
             return y
         cfg = self.config
-        _jitted(_interpreting())[self._grid](
+        jitted_gemv(_splitk_kernel, _interpreting())[self._grid](
             x, weight, y, self._partials if self._partials is not None else y, self._counts,
             m, n, k, x.stride(0), weight.stride(0), y.stride(0), self._k_per_split, self.splits,
             BLOCK_M=self.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
             SPLIT=self.splits > 1, DOT=cfg.dot, PRECISION="ieee" if x.dtype == torch.float32 else None,
-            **self.launch.kwargs(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+            **self.launch.kwargs(m, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         )
         return y
 

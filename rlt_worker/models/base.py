@@ -20,6 +20,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import torch
 
 from protocol.messages import ModelInfo
+from rlt_worker.kernels.launch import PLAIN, KernelLaunch
 
 __all__ = ["AttentionContext", "LayerId", "LoopedModel", "ModelInfo", "RotaryAttentionContext", "Rotary"]
 
@@ -93,6 +94,13 @@ class LoopedModel(torch.nn.Module):
         The context knows each row's depth d; the model only needs the rows' positions.
         """
         raise NotImplementedError
+
+    def kernel_launch(self, requested: KernelLaunch) -> KernelLaunch:
+        """How the Triton kernels of this model's passes (the attention backend's too) launch, given the
+        launch the worker was asked for: plainly here, since every pass of the torch modules has cuBLAS
+        GEMMs, and with those PDL measured no faster (kernels/launch.py)."""
+        del requested
+        return PLAIN
 
     def exit_gate(self, state: torch.Tensor) -> torch.Tensor:
         """Ouro's per-loop hazard λ = sigmoid(gate(state)), [N] (float64 on float64 models)."""

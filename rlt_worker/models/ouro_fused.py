@@ -21,12 +21,15 @@ Packing concatenates q|k|v and gate|up into one weight each and re-points the re
 weights at views of it, so no weight is held twice and the checkpoint's names (the reference's
 state_dict, under `reference.`) are unchanged.
 
-The four GEMMs go through one linear strategy chosen at construction (`linear_choice`): F.linear
-(cuBLAS) for every weight, unless `splitk` names a tile setting for a weight's (out, in, dtype), in
-which case a SplitKGemv (rlt_worker/kernels/splitk_gemv.py) serves those weights for passes of at
-most `splitk_max_rows` rows, F.linear the rest. SPLITK_SETTINGS, the default, is empty: on the
-H200 sweep (`scripts/bench_linear.py --sweep`, docs/benchmarks.md) only `down` beat cuBLAS alone,
-and the pass was slower with it.
+The four GEMMs go through one linear strategy chosen at construction (`linear_choice`): tiers of
+Triton GEMVs by row count, F.linear (cuBLAS) for whatever no tier takes. A tier is a row bound and
+settings by weight (out, in, dtype):
+  - `strip` (≤ `strip_max_rows` rows): StripGemv (rlt_worker/kernels/strip_gemv.py), each program
+    whole rows of W loaded at once. STRIP_SETTINGS, the default, covers Ouro-1.4B's four packed
+    shapes at one row, where on the H200 a 24-layer chain of them beats cuBLAS's (docs/benchmarks.md).
+  - `splitk` (≤ `splitk_max_rows` rows): SplitKGemv (rlt_worker/kernels/splitk_gemv.py).
+    SPLITK_SETTINGS, the default, is empty: on the H200 sweep (`scripts/bench_linear.py --sweep`)
+    only `down` beat cuBLAS alone, and the pass was slower with it.
 
 The kernels round as the torch modules do (rlt_worker/kernels/fused_ops.py), but the mean of
 squares and the packed GEMMs reduce in other orders, so results equal the reference's up to the
@@ -49,6 +52,7 @@ from rlt_worker.attention.triton_backend import _interpreting
 from rlt_worker.kernels.fused_ops import add_rmsnorm, rope_qk, rope_table, swiglu
 from rlt_worker.kernels.launch import PLAIN, KernelLaunch
 from rlt_worker.kernels.splitk_gemv import SUPPORTED_DTYPES, SplitKConfig, SplitKGemv
+from rlt_worker.kernels.strip_gemv import StripConfig, StripGemv
 
 from .base import AttentionContext, LayerId, LoopedModel, Rotary, RotaryAttentionContext
 from .ouro import OuroDecoderLayer, OuroModel
@@ -64,6 +68,15 @@ WeightKey = tuple[int, int, torch.dtype]  # (out_features, in_features, dtype) o
 SPLITK_SETTINGS: Mapping[WeightKey, SplitKConfig] = {}
 # Passes of at most this many rows use the split-K settings (the kernel's rows per program).
 SPLITK_MAX_ROWS = 8
+# Strip settings by weight: Ouro-1.4B's packed q|k|v, o, gate|up and down, the fastest of
+# scripts/bench_gemv_chain.py's candidates at one row on one H200 (docs/benchmarks.md), for every
+# dtype the kernel takes (float32: the benchmark's gate runs the same kernels).
+_OURO_1_4B_STRIPS = {(6144, 2048): StripConfig(2, 4), (2048, 2048): StripConfig(4, 4),
+                     (11264, 2048): StripConfig(4, 4), (2048, 5632): StripConfig(1, 4)}
+STRIP_SETTINGS: Mapping[WeightKey, StripConfig] = {
+    (*shape, dtype): config for shape, config in _OURO_1_4B_STRIPS.items() for dtype in SUPPORTED_DTYPES}
+# Passes of at most this many rows use the strip settings: each further row re-reduces the strip.
+STRIP_MAX_ROWS = 1
 
 
 class PackedLayer(NamedTuple):
@@ -112,18 +125,22 @@ class FusedOuroModel(LoopedModel):
 
     def __init__(self, reference: OuroModel, launch: KernelLaunch = PLAIN,
                  splitk: Mapping[WeightKey, SplitKConfig] = SPLITK_SETTINGS,
-                 splitk_max_rows: int = SPLITK_MAX_ROWS) -> None:
+                 splitk_max_rows: int = SPLITK_MAX_ROWS,
+                 strip: Mapping[WeightKey, StripConfig] = STRIP_SETTINGS,
+                 strip_max_rows: int = STRIP_MAX_ROWS) -> None:
         super().__init__()
         self.reference = reference
-        self.launch = launch  # how add_rmsnorm and swiglu launch (the context's backend has its own)
         self.config = reference.config
         self.info = reference.info
         cfg = self.config
         self._heads, self._kv_heads, self._head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self._eps = cfg.rms_norm_eps
         self._layers = [pack_layer(layer) for layer in reference.model.layers]
-        self._linear = linear_choice([t for w in self._layers for t in (w.qkv, w.o, w.gate_up, w.down)],
-                                     splitk, splitk_max_rows)
+        weights = [t for w in self._layers for t in (w.qkv, w.o, w.gate_up, w.down)]
+        self._linear = linear_choice(weights, [(strip_max_rows, strip), (splitk_max_rows, splitk)], launch)
+        # PDL only for the passes with no cuBLAS kernel, the rows every weight has a Triton GEMV for
+        # (kernels/launch.py: with cuBLAS between them it measured slower).
+        self.launch = launch.bounded(triton_rows(self._linear, weights))
         self._final_norm = reference.model.norm.weight.detach()  # a plain tensor: not a parameter of this module
         weight = self._final_norm
         # Every position the model supports, as split_half_cos_sin computes it (fp32, then cast).
@@ -169,38 +186,74 @@ class FusedOuroModel(LoopedModel):
         """The reference's head."""
         return self.reference.lm_head(hidden)
 
+    def kernel_launch(self, requested: KernelLaunch) -> KernelLaunch:
+        """This model's launch: the one it was built with, PDL bounded to its all-Triton passes."""
+        del requested
+        return self.launch
+
+
+Gemv = SplitKGemv | StripGemv
+GemvSetting = SplitKConfig | StripConfig
+Tier = tuple[int, Mapping[WeightKey, GemvSetting]]  # (max rows, settings by weight)
+
 
 class RowBoundLinear:
-    """x·Wᵀ through the SplitKGemv of W's (out, in, dtype) when x has at most max_rows rows, else F.linear.
+    """x·Wᵀ through the first tier whose row bound x's rows fit and which has a GEMV for W's (out, in,
+    dtype), else F.linear. Tiers ascend by bound.
 
     A CUDA graph fixes its row count at capture, so within one graph the choice is static."""
 
-    def __init__(self, gemvs: Mapping[WeightKey, SplitKGemv], max_rows: int) -> None:
-        self._gemvs, self.max_rows = dict(gemvs), max_rows
+    def __init__(self, tiers: list[tuple[int, dict[WeightKey, Gemv]]]) -> None:
+        self.tiers = sorted(((bound, dict(gemvs)) for bound, gemvs in tiers if gemvs), key=lambda t: t[0])
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        gemv = self._gemvs.get((*weight.shape, weight.dtype)) if x.shape[0] <= self.max_rows else None
-        return F.linear(x, weight) if gemv is None else gemv(x, weight)
+        rows, key = x.shape[0], (*weight.shape, weight.dtype)
+        for bound, gemvs in self.tiers:
+            gemv = gemvs.get(key) if rows <= bound else None
+            if gemv is not None:
+                return gemv(x, weight)
+        return F.linear(x, weight)
 
     def __repr__(self) -> str:
-        return f"RowBoundLinear(max_rows={self.max_rows}, {list(self._gemvs.values())})"
+        return f"RowBoundLinear({[(bound, list(gemvs.values())) for bound, gemvs in self.tiers]})"
 
 
-def linear_choice(weights: list[torch.Tensor], splitk: Mapping[WeightKey, SplitKConfig], max_rows: int) -> Linear:
-    """F.linear, or a RowBoundLinear with one SplitKGemv (and workspace) per (out, in, dtype) in `splitk`.
+def build_gemv(shape: tuple[int, int], setting: GemvSetting, max_rows: int, device: torch.device,
+               launch: KernelLaunch) -> Gemv:
+    """The setting's kernel for one weight shape: a strip under the model's launch; split-K plainly
+    (PDL gained it 0.5% in a chain: docs/benchmarks.md)."""
+    if isinstance(setting, StripConfig):
+        return StripGemv(*shape, setting, max_rows, launch)
+    return SplitKGemv(*shape, setting, max_rows, device)
 
-    Split-K runs where its kernel does: weights of a supported dtype on CUDA (or on the CPU under
-    TRITON_INTERPRET=1, the tests); float64, and float32 on a plain CPU, keep torch's path."""
-    gemvs = {}
-    for w in weights:
-        key = (*w.shape, w.dtype)
-        runs_here = w.dtype in SUPPORTED_DTYPES and (w.is_cuda or _interpreting())
-        if key in splitk and key not in gemvs and runs_here:
-            gemvs[key] = SplitKGemv(*w.shape, splitk[key], max_rows, w.device)
-    if not gemvs:
+
+def linear_choice(weights: list[torch.Tensor], tiers: list[Tier], launch: KernelLaunch = PLAIN) -> Linear:
+    """F.linear, or a RowBoundLinear with one GEMV per (out, in, dtype) that a tier lists (module docstring).
+
+    A Triton GEMV runs where its kernel does: weights of a supported dtype on CUDA (or on the CPU
+    under TRITON_INTERPRET=1, the tests); float64, and float32 on a plain CPU, keep torch's path."""
+    built: list[tuple[int, dict[WeightKey, Gemv]]] = []
+    for max_rows, settings in tiers:
+        gemvs: dict[WeightKey, Gemv] = {}
+        for w in weights:
+            key = (*w.shape, w.dtype)
+            runs_here = w.dtype in SUPPORTED_DTYPES and (w.is_cuda or _interpreting())
+            if key in settings and key not in gemvs and runs_here:
+                gemvs[key] = build_gemv(tuple(w.shape), settings[key], max_rows, w.device, launch)
+        built.append((max_rows, gemvs))
+    if not any(gemvs for _, gemvs in built):
         return F.linear
-    log.info("fused_layers: split-K GEMV for ≤ %d rows on weights %s", max_rows, list(gemvs))
-    return RowBoundLinear(gemvs, max_rows)
+    linear = RowBoundLinear(built)
+    log.info("fused_layers: Triton GEMVs %s", linear)
+    return linear
+
+
+def triton_rows(linear: Linear, weights: list[torch.Tensor]) -> int:
+    """The most rows for which every weight's GEMV is a Triton kernel (0: some weight always has cuBLAS)."""
+    if not isinstance(linear, RowBoundLinear):
+        return 0
+    return min(max((bound for bound, gemvs in linear.tiers if (*w.shape, w.dtype) in gemvs), default=0)
+               for w in weights)
 
 
 def rope_then_attend(ctx: AttentionContext, layer: LayerId, qkv: torch.Tensor, rope: Rotary) -> torch.Tensor:

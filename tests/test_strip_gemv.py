@@ -1,0 +1,262 @@
+"""The strip GEMV (rlt_worker/kernels/strip_gemv.py) and its tier in FusedOuroModel.
+
+CPU: in Triton's interpreter, in one child process started with TRITON_INTERPRET=1 (tests/interp.py),
+float32 on tiny shapes whose N is not a multiple of the strip and whose K is a power of two, one more,
+or neither (the masked low part of K), M = 1…4:
+  - within fp32 accumulation tolerance of the float64 product, and EXACT where every product and
+    partial sum is an integer fp32 holds (no column or element of K missed or counted twice);
+  - bit-identical across runs and across M for the same row (batch invariance), also for x as a
+    row-strided view;
+  - FusedOuroModel with strip settings for toy-ouro's shapes equals the torch loop at one row, and
+    a pass of more rows than the tier's bound keeps F.linear; typed errors for bad calls.
+CPU, plain: split_k's parts of K; the default STRIP_SETTINGS cover Ouro-1.4B's packed shapes in
+every supported dtype, and a plain CPU model never gets a strip.
+bf16 is checked on the GPU only: the interpreter truncates fp32→bf16 casts instead of rounding them.
+
+GPU (marked gpu): Ouro-1.4B's four packed shapes with their STRIP_SETTINGS, in bf16 and fp16 within
+half-precision tolerance of torch's fp32 product and float32 within fp32 tolerance; bit-identical
+across runs and M and from a CUDA graph; a q|k|v → o chain captured with PDL launches gives the
+plain eager chain's bits at every replay.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import interp
+import pytest
+import torch
+import torch.nn.functional as F
+from test_splitk_gemv import F32, HALF, _inputs  # the same draws and tolerances as split-K's
+
+from rlt_worker.attention import triton_backend as tb
+
+pytestmark = pytest.mark.skipif(tb.triton is None, reason="Triton is not installed")
+
+SHAPES = [(37, 64), (50, 65), (24, 100), (9, 1)]  # (N, K): K a power of two, 2^6 + 1, 64 + 36, one
+CONFIGS = [dict(block_n=4, num_warps=4), dict(block_n=8, num_warps=2), dict(block_n=1, num_warps=1)]
+
+
+def _gemv(n: int, k: int, max_rows: int = 4, launch=None, **config):
+    from rlt_worker.kernels.launch import PLAIN
+    from rlt_worker.kernels.strip_gemv import StripConfig, StripGemv
+
+    return StripGemv(n, k, StripConfig(**config), max_rows, launch or PLAIN)
+
+
+def check_matches_torch(config: dict) -> None:
+    """Every shape × row count: close to the float64 product; integers exactly."""
+    for n, k in SHAPES:
+        gemv = _gemv(n, k, **config)
+        for m in (1, 2, 4):
+            x, w = _inputs(n, k, m, torch.float32, "cpu")
+            got = gemv(x, w)
+            assert got.dtype == torch.float32 and got.shape == (m, n)
+            where = f"{n}×{k} M{m} {config}"
+            torch.testing.assert_close(got, (x.double() @ w.double().T).float(), **F32,
+                                       msg=lambda e, where=where: f"{where}: {e}")
+            xi, wi = _inputs(n, k, m, torch.float32, "cpu", integer=True)
+            assert torch.equal(gemv(xi, wi), (xi.double() @ wi.double().T).float()), where
+
+
+def check_batch_invariant(config: dict) -> None:
+    """Row r's bits do not depend on M or on the other rows, nor on the run, nor on x's row stride."""
+    for n, k in SHAPES:
+        gemv = _gemv(n, k, **config)
+        x, w = _inputs(n, k, 4, torch.float32, "cpu")
+        full = gemv(x, w)
+        assert torch.equal(gemv(x, w), full), f"{n}×{k}: two runs differ"
+        for m in (1, 3):
+            assert torch.equal(gemv(x[:m], w), full[:m]), f"{n}×{k}: the first {m} rows"
+        assert torch.equal(gemv(x[2:3], w), full[2:3]), f"{n}×{k}: row 2 alone"
+        wide = torch.zeros(4, k + 5)
+        wide[:, 2 : 2 + k] = x
+        assert torch.equal(gemv(wide[:, 2 : 2 + k], w), full), f"{n}×{k}: strided x"
+
+
+def check_rejects() -> None:
+    """Typed errors: more rows than max_rows, another shape, float64, mixed dtypes, bad settings."""
+    from rlt_worker.kernels.strip_gemv import StripConfig
+
+    gemv = _gemv(37, 65, max_rows=2, block_n=4, num_warps=4)
+    w = torch.randn(37, 65)
+    for x, weight in ((torch.randn(3, 65), w), (torch.randn(2, 65), torch.randn(36, 65)),
+                      (torch.randn(2, 65, dtype=torch.float64), w.double()), (torch.randn(2, 65).half(), w),
+                      (torch.randn(65, 2).T, w)):
+        with pytest.raises(ValueError):
+            gemv(x, weight)
+    for bad in (dict(block_n=3), dict(num_warps=6), dict(block_n=0)):
+        with pytest.raises(ValueError):
+            StripConfig(**bad)
+    assert gemv(torch.randn(0, 65), w).shape == (0, 37)
+
+
+def _toy_strips() -> dict:
+    """Strip settings for three of toy-ouro's four weight shapes (down, 64×128, stays F.linear)."""
+    from rlt_worker.kernels.strip_gemv import StripConfig
+
+    return {(*shape, dtype): StripConfig(block_n=bn, num_warps=2)
+            for shape, bn in (((128, 64), 4), ((64, 64), 8), ((256, 64), 16))
+            for dtype in (torch.float32, torch.float64)}  # float64 is listed, and still keeps F.linear
+
+
+def check_fused_loop() -> None:
+    """FusedOuroModel with strips on toy-ouro (float32, interpreter) equals OuroModel.loop over 3 loops,
+    for a pass of 1 row (strips) and of 3 rows (above strip_max_rows: F.linear)."""
+    from test_splitk_gemv import assert_fused_loops_equal
+
+    from rlt_worker.models.loader import load_model
+    from rlt_worker.models.ouro_fused import FusedOuroModel, RowBoundLinear
+
+    reference = load_model("toy-ouro", dtype=torch.float32, device="cpu")
+    fused = FusedOuroModel(reference, strip=_toy_strips(), strip_max_rows=1)
+    assert isinstance(fused._linear, RowBoundLinear) and [(b, len(g)) for b, g in fused._linear.tiers] == [(1, 3)]
+    assert_fused_loops_equal(reference, fused, (1, 3))
+    f64 = load_model("toy-ouro", dtype=torch.float64, device="cpu")
+    assert FusedOuroModel(f64, strip=_toy_strips())._linear is F.linear
+
+
+def check_bench_chain() -> None:
+    """scripts/bench_gemv_chain.py's chain through strips (Ouro's shapes shrunk 64×, 2 layers, float32)
+    equals its chain through F.linear; its strip candidates start with the model's settings."""
+    import sys
+
+    sys.path.insert(0, str(interp.ROOT / "scripts"))
+    import bench_gemv_chain as bench
+
+    from rlt_worker.kernels.launch import PLAIN
+    from rlt_worker.models.ouro_fused import STRIP_SETTINGS
+
+    for name, n, k in bench.LAYER:
+        assert bench.strip_candidates(name)[0] == STRIP_SETTINGS[(n, k, torch.bfloat16)]
+    shrunk = tuple((name, n // 64, k // 64) for name, n, k in bench.LAYER)
+    gen = torch.Generator().manual_seed(1)
+    layers = [[torch.randn(n, k, generator=gen) * k**-0.5 for _, n, k in shrunk] for _ in range(2)]
+    configs = {name: bench.strip_candidates(name)[0] for name, _, _ in shrunk}
+    gemvs = bench.make_gemvs(configs, PLAIN, 4, torch.device("cpu"), shrunk, family="strip")
+    for rows in (1, 3):
+        x = torch.randn(rows, shrunk[0][2], generator=gen)
+        got = bench.run_chain(bench.splitk_linear(gemvs), layers, x)
+        torch.testing.assert_close(got, bench.run_chain(F.linear, layers, x), **F32)
+
+
+INTERP_CASES: dict[str, Callable[[], None]] = {
+    **{f"matches-torch-N{c['block_n']}w{c['num_warps']}": functools.partial(check_matches_torch, c) for c in CONFIGS},
+    **{f"batch-invariant-N{c['block_n']}w{c['num_warps']}": functools.partial(check_batch_invariant, c)
+       for c in CONFIGS[:2]},
+    "rejects": check_rejects,
+    "fused-loop": check_fused_loop,
+    "bench-chain": check_bench_chain,
+}
+
+
+@pytest.mark.parametrize("case", list(INTERP_CASES))
+def test_interpreter(interp_verdicts: dict[str, str], case: str) -> None:
+    """Each interpreter case (see INTERP_CASES) passed in the child."""
+    verdict = interp_verdicts[case]
+    assert verdict == "ok", verdict
+
+
+def test_split_k_is_the_largest_power_of_two_and_the_padded_rest() -> None:
+    from rlt_worker.kernels.strip_gemv import split_k
+
+    assert split_k(2048) == (2048, 0, 1)
+    assert split_k(5632) == (4096, 1536, 2048)
+    assert split_k(65) == (64, 1, 1)
+    assert split_k(100) == (64, 36, 64)
+    assert split_k(1) == (1, 0, 1)
+
+
+def test_default_strips_cover_ouro_1_4b_in_every_supported_dtype_and_a_plain_cpu_keeps_torch() -> None:
+    from rlt_worker.kernels.strip_gemv import SUPPORTED_DTYPES
+    from rlt_worker.models.ouro_fused import STRIP_MAX_ROWS, STRIP_SETTINGS, FusedOuroModel
+
+    shapes = {(6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632)}
+    assert set(STRIP_SETTINGS) == {(*s, d) for s in shapes for d in SUPPORTED_DTYPES}
+    assert STRIP_MAX_ROWS >= 1
+    if tb._interpreting():
+        pytest.skip("TRITON_INTERPRET is set in this process")
+    from rlt_worker.models.loader import load_model
+
+    model = load_model("toy-ouro", dtype=torch.float32, device="cpu")
+    assert FusedOuroModel(model, strip=_toy_strips())._linear is F.linear
+
+
+# ---- GPU, compiled: Ouro-1.4B's packed shapes ----------------------------------------------------
+
+def check_gpu(n: int, k: int, dtype: torch.dtype, config, max_rows: int = 4) -> None:
+    """One weight on the GPU: close to torch, bit-identical across runs and M, the same bits from a graph."""
+    from rlt_worker.kernels.strip_gemv import StripGemv
+
+    gemv = StripGemv(n, k, config, max_rows)
+    x, w = _inputs(n, k, max_rows, dtype, "cuda")
+    w = w * k**-0.5  # outputs of order 1, as a layer's
+    want = (x.float() @ w.float().T).to(dtype)
+    full = gemv(x, w)
+    torch.testing.assert_close(full, want, **(HALF.get(dtype) or F32),
+                               msg=lambda e, where=f"{n}×{k} {dtype} {config}": f"{where}: {e}")
+    assert torch.equal(gemv(x, w), full)
+    for m in range(1, max_rows):
+        assert torch.equal(gemv(x[:m], w), full[:m]), f"{n}×{k}: first {m} rows"
+    assert torch.equal(gemv(x[max_rows - 1 :], w), full[max_rows - 1 :])
+    static_x = x[:1].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = gemv(static_x, w)
+    for r in (max_rows - 1, 0):
+        static_x.copy_(x[r : r + 1])
+        graph.replay()
+        assert torch.equal(static_y, full[r : r + 1]), f"{n}×{k}: graph replay, row {r}"
+
+
+@pytest.mark.gpu
+@interp.needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_ouro_shapes(dtype: torch.dtype) -> None:
+    """STRIP_SETTINGS at Ouro-1.4B's four packed shapes, in each dtype (check_gpu)."""
+    from rlt_worker.models.ouro_fused import STRIP_SETTINGS
+
+    for (n, k, key_dtype), config in STRIP_SETTINGS.items():
+        if key_dtype == dtype:
+            check_gpu(n, k, dtype, config)
+
+
+@pytest.mark.gpu
+@interp.needs_cuda
+def test_gpu_pdl_chain_equals_plain_in_a_graph() -> None:
+    """q|k|v then o on q's columns, captured in a CUDA graph with PDL launches and with plain ones:
+    every replay gives the eager plain chain's bits."""
+    from rlt_worker.kernels.launch import PLAIN, KernelLaunch
+    from rlt_worker.kernels.strip_gemv import StripConfig, StripGemv
+
+    pdl = KernelLaunch.for_device(True, torch.device("cuda"))
+    assert pdl.pdl, f"{torch.cuda.get_device_name()} has no PDL (sm_90+)"
+    (n1, k1), (n2, k2) = (6144, 2048), (2048, 2048)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w1 = (torch.randn(n1, k1, device="cuda", generator=gen) * k1**-0.5).bfloat16()
+    w2 = (torch.randn(n2, k2, device="cuda", generator=gen) * k2**-0.5).bfloat16()
+    xs = torch.randn(3, 1, k1, device="cuda", generator=gen).bfloat16()
+
+    def chain(launch: KernelLaunch) -> Callable[[torch.Tensor], torch.Tensor]:
+        g1, g2 = StripGemv(n1, k1, StripConfig(2, 4), 1, launch), StripGemv(n2, k2, StripConfig(4, 4), 1, launch)
+        return lambda x: g2(g1(x, w1)[:, :k2], w2)
+
+    run_plain = chain(PLAIN)
+    want = [run_plain(x) for x in xs]
+    for launch in (PLAIN, pdl):
+        run = chain(launch)
+        static_x = xs[0].clone()
+        run(static_x)  # compiled before capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = run(static_x)
+        for i in (1, 2, 0, 1):
+            static_x.copy_(xs[i])
+            graph.replay()
+            assert torch.equal(static_y, want[i]), f"{launch}: replay of input {i}"
+
+
+if __name__ == "__main__":
+    interp.main(INTERP_CASES)
