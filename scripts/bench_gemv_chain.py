@@ -88,10 +88,10 @@ CANDIDATES: dict[str, tuple[tuple[int, int, int, int, int], ...]] = {
 # default: the strip is block_n·K elements over 32·num_warps threads, 32-192 of them a thread
 # (K = 5632 runs as 4096 + 2048 masked lanes).
 STRIP_CANDIDATES: dict[str, tuple[tuple[int, int], ...]] = {
-    "q|k|v": ((4, 4), (2, 4), (8, 4), (4, 8), (8, 8), (16, 8)),
-    "o": ((4, 4), (2, 4), (1, 4), (4, 8), (8, 8), (2, 2)),
-    "gate|up": ((4, 4), (2, 4), (8, 4), (4, 8), (8, 8), (16, 8)),
-    "down": ((2, 8), (1, 4), (2, 4), (4, 8), (1, 2), (4, 16)),
+    "q|k|v": ((4, 4), (2, 4), (2, 2), (1, 2), (1, 4), (8, 4), (4, 8), (8, 8), (16, 8)),
+    "o": ((4, 4), (2, 4), (1, 4), (2, 2), (1, 2), (4, 2), (4, 8), (8, 8), (8, 4)),
+    "gate|up": ((4, 4), (2, 4), (2, 2), (8, 4), (4, 8), (8, 8), (16, 8), (4, 2), (16, 16)),
+    "down": ((2, 8), (1, 4), (2, 4), (4, 8), (1, 2), (1, 8), (1, 1), (2, 2), (4, 16)),
 }
 GEMV_TOL = dict(rtol=2.0**-7, atol=2e-3)  # one bf16 ulp between two roundings of fp32 sums
 CHAIN_RTOL = 0.1  # relative norm of the difference after the whole chain (module docstring)

@@ -4,8 +4,10 @@ CPU: the switch resolves to plain launches wherever PDL cannot run (the CPU, the
 torch backend, a config that asks for none), and each of the five kernels compiled for sm_90 by
 Triton's own compiler (no GPU needed: PTX through the bundled ptxas) orders its PTX as the PDL
 contract says: one griddepcontrol.wait, launch_dependents right after it, every store after it,
-and before it no global load but add + RMSNorm's norm weights; with PDL off, no griddepcontrol at
-all. The split-K GEMV (tl.dot with split-K, multiply-add without) loads its slice's first weight
+and before it no global load but add + RMSNorm's norm weights and the attention's context length and
+block table, from which it asks the L2 for its first tile's K/V lines (prefetch.global.L2, nothing
+after the wait); with PDL off, no griddepcontrol and no prefetch at all. The split-K GEMV (tl.dot
+with split-K, multiply-add without) loads its slice's first weight
 tile before the wait and calls launch_dependents after its K loop, before any store or atomic; the
 strip GEMV loads its whole weight strip before the wait and nothing else. A row-bounded launch
 (`pdl_max_rows`) launches larger passes plainly.
@@ -102,13 +104,14 @@ KERNELS: dict[str, tuple[Callable[..., object], dict, dict, dict]] = {
                dict(num_warps=4, enable_fp_fusion=False)),
     "attention": (tb._attn_kernel,
                   dict(GROUP=1, GROUP_PAD=16, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, TILE=64, NUM_SPLITS=8,
-                       USE_DOT=True, DOT_PRECISION=None, ACC_F64=False),
+                       USE_DOT=True, DOT_PRECISION=None, ACC_F64=False, LINES=2, LINE_ELEMS=64),
                   {"bt_ptr": "*i32", "ctx_ptr": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
                    "qk_scale": "fp32", "scale_ptr": "*fp64"}, dict(num_warps=4, num_stages=3)),
     "merge": (tb._merge_kernel, dict(HEAD_DIM=128, D_PAD=128, NUM_SPLITS=8, S_PAD=8, ACC_F64=False),
               {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"}, {}),
 }
-_MEMORY_OP = re.compile(r"\b(griddepcontrol\.\w+|ld\.global|st\.global|cp\.async|atom\.global|red\.global)")
+_MEMORY_OP = re.compile(r"\b(griddepcontrol\.\w+|ld\.global|st\.global|cp\.async|atom\.global|red\.global"
+                        r"|prefetch\.global\.L2)")
 
 
 # The split-K GEMV (kernels/splitk_gemv.py) at Ouro-1.4B's o shape in bf16, with the divisibility the
@@ -166,8 +169,8 @@ def _around_the_wait(name: str) -> tuple[list[str], list[str]]:
     wait = ops.index("griddepcontrol.wait")
     assert ops[wait + 1] == "griddepcontrol.launch_dependents", ops
     before, after = ops[:wait], ops[wait + 2 :]
-    assert all(op == "ld.global" for op in before), before
-    assert "st.global" in after, after
+    assert all(op in ("ld.global", "prefetch.global.L2") for op in before), before
+    assert "st.global" in after and "prefetch.global.L2" not in after, after
     return before, after
 
 
@@ -177,6 +180,10 @@ def test_pdl_kernels_wait_before_reading_activations_and_before_storing(compiled
     if name == "add_rmsnorm":
         # w_a and w_b before the wait, x and h (as wide) after it.
         assert len(before) == after.count("ld.global") > 0, (before, after)
+    elif name == "attention":
+        # The context length and the block table (addresses only), then the first tile's K and V lines
+        # asked of the L2; q, K and V themselves after the wait.
+        assert before == ["ld.global"] * 2 + ["prefetch.global.L2"] * 2, before
     else:
         assert before == [], before
 
@@ -210,7 +217,7 @@ def test_pdl_strip_gemv_loads_its_whole_strip_before_the_wait(compiled: None, na
 def test_plain_kernels_have_no_grid_dependency_control(compiled: None, name: str) -> None:
     ops, launch_pdl = _ptx_memory_ops(name, pdl=False)
     assert launch_pdl is False
-    assert not any(op.startswith("griddepcontrol") for op in ops), ops
+    assert not any(op.startswith(("griddepcontrol", "prefetch")) for op in ops), ops
 
 
 # ---- GPU: a captured fused pass, PDL on against off ---------------------------------------------

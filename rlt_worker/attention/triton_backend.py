@@ -55,6 +55,8 @@ except ImportError:  # pragma: no cover - exercised only without Triton
 __all__ = ["finalize_kv", "paged_attention", "write_kv"]
 
 _LOG2E = 1.4426950408889634
+# One line to the L2 per pointer (PTX prefetch), and a dummy result: inline asm must return a value.
+_PREFETCH_L2: tl.constexpr = tl.constexpr("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;") if tl else None
 # Fewest tokens worth giving a split: below this the merge costs more than it wins.
 _MIN_SPLIT_TOKENS = 128
 
@@ -71,12 +73,15 @@ def _attn_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_F64: tl.constexpr, PDL: tl.constexpr,
+    LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
 ):
     """One (row, kv head, split): online-softmax attention of the head group over its token span.
 
-    PDL (kernels/launch.py): only the index math runs before the wait. q is the predecessor's (the
-    rotating K/V write's) output, and so is the K/V at the rows' own positions; the block tables,
-    context lengths and older K/V come from earlier kernels, but are read after it too.
+    PDL (kernels/launch.py): q is the predecessor's (the rotating K/V write's) output, and so is the
+    K/V at the rows' own positions, so every load the attention uses comes after the wait. Before it
+    the program asks the L2 for its first tile's K and V lines (prefetch.global.L2): the L2 is
+    where writes land, so a line the predecessor then writes is read fresh after the wait, and a
+    stale block table or context length read for the addresses only prefetches the wrong lines.
     """
     # Program ids are int32 and Triton passes a stride below 2^31 as int32, so a product of the
     # two wraps silently: every index that scales a stride is widened first (here and below).
@@ -93,6 +98,19 @@ def _attn_kernel(
 
     q_ptrs = q_ptr + row * stride_qn + heads[:, None] * stride_qh + d[None, :] * stride_qd
     if PDL:
+        # The first tile's K and V lines to the L2 (LINES lines of LINE_ELEMS elements a token's head);
+        # tokens past the span point at the pool's first line (valid memory, never used).
+        t = split * split_tokens + tl.arange(0, TILE)
+        t_ok = t < tl.minimum(split * split_tokens + split_tokens, tl.load(ctx_ptr + row))
+        blk = tl.load(bt_ptr + row * stride_btn + (t // BLOCK_SIZE) * stride_btb, mask=t_ok, other=0).to(tl.int64)
+        line = tl.arange(0, LINES) * LINE_ELEMS
+        t_in = (t % BLOCK_SIZE)[:, None]
+        k_lines = k_ptr + blk[:, None] * stride_kb + t_in * stride_ks + kv_head * stride_kh + line[None, :] * stride_kd
+        v_lines = v_ptr + blk[:, None] * stride_vb + t_in * stride_vs + kv_head * stride_vh + line[None, :] * stride_vd
+        tl.inline_asm_elementwise(_PREFETCH_L2, "=r,l", [tl.where(t_ok[:, None], k_lines, k_ptr)], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+        tl.inline_asm_elementwise(_PREFETCH_L2, "=r,l", [tl.where(t_ok[:, None], v_lines, v_ptr)], dtype=tl.int32,
+                                  is_pure=False, pack=1)
         gdc_wait()
         gdc_launch_dependents()
     # Padded heads/dims load as 0: their scores are finite and never stored.
@@ -291,6 +309,15 @@ def _auto_splits(num_rows: int, num_kv_heads: int, max_tokens: int, device: torc
     return max(1, min(by_occupancy, by_length, 16))
 
 
+_L2_LINE_BYTES = 128
+
+
+def _prefetch_lines(head_dim: int, element_size: int) -> dict[str, int]:
+    """The L2 lines a token's head spans (a power of two, for tl.arange) and the elements in a line."""
+    line_elems = max(1, _L2_LINE_BYTES // element_size)
+    return {"LINES": triton.next_power_of_2(math.ceil(head_dim / line_elems)), "LINE_ELEMS": line_elems}
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -363,6 +390,7 @@ def paged_attention(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, TILE=tile, NUM_SPLITS=splits,
         USE_DOT=use_dot, DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, ACC_F64=f64,
+        **_prefetch_lines(head_dim, k_cache.element_size()),
         **launch.kwargs(num_rows, num_warps=4, num_stages=3),
     )
     if splits > 1:
