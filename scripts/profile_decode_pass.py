@@ -26,6 +26,9 @@ The PDL path packs its own copy of the q|k|v and gate|up weights (a second Fused
 that won in a `scripts/bench_linear.py --sweep --json FILE` run, compared with `fused` the same way.
 `--cublas-path` adds `fused-cublas`: the fused path with plain launches and no Triton GEMV tier
 (every GEMM on cuBLAS, as before the strip GEMVs), compared with `fused` the same way.
+`--swiglu-path` adds `fused-swiglu`: the fused path under the last --pdl launch with gate|up's strip
+applying SwiGLU too (StripConfig(2, 4); ouro_fused.STRIP_SWIGLU_SETTINGS), compared with that path
+(bit-equal where that path's gate|up is a strip too: Ouro-1.4B's shapes at one row).
 
 Both paths share one KV pool of random K/V (only values read by attention; both write their own
 K/V of the pass at the same slots). The bytes a pass must read (loop weights + the context's K/V)
@@ -63,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also time the fused path with the winning split-K settings of this bench_linear sweep JSON")
     p.add_argument("--cublas-path", action="store_true",
                    help="also time the fused path with every GEMM on cuBLAS (no strip or split-K GEMVs)")
+    p.add_argument("--swiglu-path", action="store_true",
+                   help="also time the fused path with gate|up's strip applying SwiGLU (one launch less a layer)")
     p.add_argument("--top", type=int, default=0, help="print the N kernel names with the most GPU time per path")
     p.add_argument("--json", default=None, help="write the results here")
     return p.parse_args(argv)
@@ -80,6 +85,7 @@ from bench_linear import winning_settings  # noqa: E402  (scripts/, this script'
 from protocol.columns import I32, I64, pack  # noqa: E402
 from protocol.messages import Admit, BlockAppends, ExecutionPlan  # noqa: E402
 from rlt_worker.kernels.launch import PLAIN, KernelLaunch  # noqa: E402
+from rlt_worker.kernels.strip_gemv import StripConfig  # noqa: E402
 from rlt_worker.kv_storage import KVStorage, num_planes  # noqa: E402
 from rlt_worker.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from rlt_worker.models.loader import load_model  # noqa: E402
@@ -112,6 +118,11 @@ class Setup:
             settings = winning_settings(json.loads(Path(args.splitk).read_text()))
             print(f"fused-splitk: {len(settings)} weights on split-K: {settings}")
             paths.append(("fused-splitk", FusedOuroModel(self.reference, PLAIN, splitk=settings), PLAIN))
+        if args.swiglu_path:
+            name, launch = fused[-1]
+            gate_up = (2 * self.reference.config.intermediate_size, self.reference.config.hidden_size, dtype)
+            model = FusedOuroModel(self.reference, launch, strip_swiglu={gate_up: StripConfig(2, 4)})
+            paths.append(("fused-swiglu", model, launch))
         if args.cublas_path:
             paths.append(("fused-cublas", FusedOuroModel(self.reference, PLAIN, splitk={}, strip={}), PLAIN))
         planes = num_planes(info, "last_exited", self.depth)
@@ -278,6 +289,8 @@ def main(args: argparse.Namespace) -> dict:
         comparisons = [("torch", _fused_path(setup))] + ([("fused", "fused-pdl")] if args.pdl == "both" else [])
         comparisons += [(_fused_path(setup), "fused-splitk")] if args.splitk else []
         comparisons += [(_fused_path(setup), "fused-cublas")] if args.cublas_path else []
+        comparisons += [({"off": "fused", "on": "fused-pdl", "both": "fused-pdl"}[args.pdl], "fused-swiglu")
+                        ] if args.swiglu_path else []
         for rows in rows_list:
             outs = {name: setup.run_pass(name, rows, args.context) for name in setup.runners}
             report["parity"].extend({"pair": f"{b} vs {a}", "dtype": dtype_name, "rows": rows,

@@ -124,10 +124,15 @@ SPLITK_KERNELS: dict[str, tuple[dict, dict]] = {
                    dict(num_warps=4, num_stages=1)),
 }
 SPLITK_TYPES = {"part_ptr": "*fp32", "count_ptr": "*i32"}
-# The strip GEMV (kernels/strip_gemv.py) at q|k|v's K (a power of two) and down's (4096 + 1536 lanes).
+# The strip GEMV (kernels/strip_gemv.py) at q|k|v's K (a power of two) and down's (4096 + 1536 lanes),
+# and gate|up's with the SwiGLU epilogue.
 STRIP_KERNELS: dict[str, tuple[dict, dict]] = {
-    "strip_pow2": (dict(BLOCK_N=2, K_HI=2048, K_LO=0, K_LO_PAD=1), dict(num_warps=4, num_stages=1)),
-    "strip_rest": (dict(BLOCK_N=1, K_HI=4096, K_LO=1536, K_LO_PAD=2048), dict(num_warps=4, num_stages=1)),
+    "strip_pow2": (dict(BLOCK_N=2, K_HI=2048, K_LO=0, K_LO_PAD=1, SWIGLU=False, LIBDEVICE=True),
+                   dict(num_warps=4, num_stages=1)),
+    "strip_rest": (dict(BLOCK_N=1, K_HI=4096, K_LO=1536, K_LO_PAD=2048, SWIGLU=False, LIBDEVICE=True),
+                   dict(num_warps=4, num_stages=1)),
+    "strip_swiglu": (dict(BLOCK_N=2, K_HI=2048, K_LO=0, K_LO_PAD=1, SWIGLU=True, LIBDEVICE=True),
+                     dict(num_warps=4, num_stages=1)),
 }
 SPLITK_DIVISIBLE = ("N", "K", "stride_xm", "stride_wn", "stride_ym", "k_per_split")
 

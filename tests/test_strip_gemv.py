@@ -8,15 +8,18 @@ or neither (the masked low part of K), M = 1…4:
   - bit-identical across runs and across M for the same row (batch invariance), also for x as a
     row-strided view;
   - FusedOuroModel with strip settings for toy-ouro's shapes equals the torch loop at one row, and
-    a pass of more rows than the tier's bound keeps F.linear; typed errors for bad calls.
+    a pass of more rows than the tier's bound keeps F.linear; typed errors for bad calls;
+  - a swiglu strip (gate|up and SwiGLU in one launch) is bit for bit the strip then fused_ops.swiglu,
+    and the loop with one equals the torch loop.
 CPU, plain: split_k's parts of K; the default STRIP_SETTINGS cover Ouro-1.4B's packed shapes in
 every supported dtype, and a plain CPU model never gets a strip.
 bf16 is checked on the GPU only: the interpreter truncates fp32→bf16 casts instead of rounding them.
 
 GPU (marked gpu): Ouro-1.4B's four packed shapes with their STRIP_SETTINGS, in bf16 and fp16 within
 half-precision tolerance of torch's fp32 product and float32 within fp32 tolerance; bit-identical
-across runs and M and from a CUDA graph; a q|k|v → o chain captured with PDL launches gives the
-plain eager chain's bits at every replay.
+across runs and M and from a CUDA graph; the swiglu strip at gate|up's shape the plain strip's bits
+through fused_ops.swiglu; a q|k|v → o chain captured with PDL launches gives the plain eager chain's
+bits at every replay.
 """
 
 from __future__ import annotations
@@ -92,6 +95,24 @@ def check_rejects() -> None:
     assert gemv(torch.randn(0, 65), w).shape == (0, 37)
 
 
+def check_swiglu_equals_the_strip_then_swiglu() -> None:
+    """A swiglu strip: bit for bit the plain strip's output through fused_ops.swiglu (float32), for K a
+    power of two or not and M = 1…3, row r's bits the same alone; an odd gate|up height refused."""
+    from rlt_worker.kernels.fused_ops import swiglu
+    from rlt_worker.kernels.strip_gemv import StripConfig, StripGemv
+
+    for (n, k), cfg in zip([(48, 64), (40, 100), (34, 65)], [StripConfig(4, 4), StripConfig(2, 2), StripConfig(1, 1)],
+                           strict=True):
+        plain, fused = StripGemv(n, k, cfg, 3), StripGemv(n, k, cfg, 3, swiglu=True)
+        x, w = _inputs(n, k, 3, torch.float32, "cpu")
+        got = fused(x, w)
+        assert got.shape == (3, n // 2)
+        assert torch.equal(got, swiglu(plain(x, w))), f"{n}×{k} {cfg}"
+        assert torch.equal(fused(x[1:2], w), got[1:2]), f"{n}×{k}: row 1 alone"
+    with pytest.raises(ValueError, match="even"):
+        StripGemv(35, 64, StripConfig(), 1, swiglu=True)
+
+
 def _toy_strips() -> dict:
     """Strip settings for three of toy-ouro's four weight shapes (down, 64×128, stays F.linear)."""
     from rlt_worker.kernels.strip_gemv import StripConfig
@@ -115,6 +136,22 @@ def check_fused_loop() -> None:
     assert_fused_loops_equal(reference, fused, (1, 3))
     f64 = load_model("toy-ouro", dtype=torch.float64, device="cpu")
     assert FusedOuroModel(f64, strip=_toy_strips())._linear is F.linear
+
+
+def check_fused_loop_with_swiglu_strips() -> None:
+    """The same with swiglu strips on toy-ouro's gate|up (256×64) as well: the loop equals the torch loop
+    at 1 row (the swiglu strip) and at 3 (the GEMM, then swiglu's launch)."""
+    from test_splitk_gemv import assert_fused_loops_equal
+
+    from rlt_worker.kernels.strip_gemv import StripConfig
+    from rlt_worker.models.loader import load_model
+    from rlt_worker.models.ouro_fused import FusedOuroModel
+
+    reference = load_model("toy-ouro", dtype=torch.float32, device="cpu")
+    fused = FusedOuroModel(reference, strip=_toy_strips(), strip_max_rows=1,
+                           strip_swiglu={(256, 64, torch.float32): StripConfig(4, 2)})
+    assert list(fused._gate_up_swiglu.strips) == [(256, 64, torch.float32)]
+    assert_fused_loops_equal(reference, fused, (1, 3))
 
 
 def check_bench_chain() -> None:
@@ -147,6 +184,8 @@ INTERP_CASES: dict[str, Callable[[], None]] = {
        for c in CONFIGS[:2]},
     "rejects": check_rejects,
     "fused-loop": check_fused_loop,
+    "swiglu-strip": check_swiglu_equals_the_strip_then_swiglu,
+    "fused-loop-swiglu": check_fused_loop_with_swiglu_strips,
     "bench-chain": check_bench_chain,
 }
 
@@ -220,6 +259,30 @@ def test_gpu_ouro_shapes(dtype: torch.dtype) -> None:
     for (n, k, key_dtype), config in STRIP_SETTINGS.items():
         if key_dtype == dtype:
             check_gpu(n, k, dtype, config)
+
+
+@pytest.mark.gpu
+@interp.needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_swiglu_strip_equals_the_strip_then_swiglu(dtype: torch.dtype) -> None:
+    """Ouro-1.4B's gate|up (11264×2048) with the SwiGLU epilogue: the plain strip's bits through
+    fused_ops.swiglu, eagerly and from a CUDA graph."""
+    from rlt_worker.kernels.fused_ops import swiglu
+    from rlt_worker.kernels.strip_gemv import StripConfig, StripGemv
+
+    n, k = 11264, 2048
+    x, w = _inputs(n, k, 1, dtype, "cuda")
+    w = w * k**-0.5
+    want = swiglu(StripGemv(n, k, StripConfig(4, 4), 1)(x, w))
+    fused = StripGemv(n, k, StripConfig(2, 4), 1, swiglu=True)
+    assert torch.equal(fused(x, w), want)
+    static_x = torch.zeros_like(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = fused(static_x, w)
+    static_x.copy_(x)
+    graph.replay()
+    assert torch.equal(static_y, want)
 
 
 @pytest.mark.gpu

@@ -30,6 +30,9 @@ settings by weight (out, in, dtype):
   - `splitk` (≤ `splitk_max_rows` rows): SplitKGemv (rlt_worker/kernels/splitk_gemv.py).
     SPLITK_SETTINGS, the default, is empty: on the H200 sweep (`scripts/bench_linear.py --sweep`)
     only `down` beat cuBLAS alone, and the pass was slower with it.
+gate|up and SwiGLU go through a second strategy (`GateUpSwiGLU`): a strip that also applies SwiGLU
+(`strip_swiglu`, ≤ `strip_max_rows` rows; STRIP_SWIGLU_SETTINGS is empty, so off until timed), else
+the linear strategy's GEMM and swiglu's launch.
 
 The kernels round as the torch modules do (rlt_worker/kernels/fused_ops.py), but the mean of
 squares and the packed GEMMs reduce in other orders, so results equal the reference's up to the
@@ -77,6 +80,12 @@ STRIP_SETTINGS: Mapping[WeightKey, StripConfig] = {
     (*shape, dtype): config for shape, config in _OURO_1_4B_STRIPS.items() for dtype in SUPPORTED_DTYPES}
 # Passes of at most this many rows use the strip settings: each further row re-reduces the strip.
 STRIP_MAX_ROWS = 1
+# Strips that also apply SwiGLU (gate|up weights only: the gate rows of their columns and the up rows
+# below them, one launch for y·W_gate_upᵀ and swiglu), for passes of at most STRIP_MAX_ROWS rows.
+# Empty, so off: bit-equal to the strip then swiglu's launch under the interpreter, not yet timed on
+# the H200. To measure: scripts/profile_decode_pass.py --swiglu-path (StripConfig(2, 4) holds 2 gate
+# and 2 up rows a program, the registers of the gate|up strip's N4 w4).
+STRIP_SWIGLU_SETTINGS: Mapping[WeightKey, StripConfig] = {}
 
 
 class PackedLayer(NamedTuple):
@@ -127,7 +136,8 @@ class FusedOuroModel(LoopedModel):
                  splitk: Mapping[WeightKey, SplitKConfig] = SPLITK_SETTINGS,
                  splitk_max_rows: int = SPLITK_MAX_ROWS,
                  strip: Mapping[WeightKey, StripConfig] = STRIP_SETTINGS,
-                 strip_max_rows: int = STRIP_MAX_ROWS) -> None:
+                 strip_max_rows: int = STRIP_MAX_ROWS,
+                 strip_swiglu: Mapping[WeightKey, StripConfig] = STRIP_SWIGLU_SETTINGS) -> None:
         super().__init__()
         self.reference = reference
         self.config = reference.config
@@ -141,6 +151,8 @@ class FusedOuroModel(LoopedModel):
         # PDL only for the passes with no cuBLAS kernel, the rows every weight has a Triton GEMV for
         # (kernels/launch.py: with cuBLAS between them it measured slower).
         self.launch = launch.bounded(triton_rows(self._linear, weights))
+        self._gate_up_swiglu = GateUpSwiGLU(self._linear, [w.gate_up for w in self._layers], strip_swiglu,
+                                            strip_max_rows, self.launch)
         self._final_norm = reference.model.norm.weight.detach()  # a plain tensor: not a parameter of this module
         weight = self._final_norm
         # Every position the model supports, as split_half_cos_sin computes it (fp32, then cast).
@@ -169,7 +181,7 @@ class FusedOuroModel(LoopedModel):
         for i, w in enumerate(layers):
             attn = attend_rotary(w.layer, linear(y, w.qkv), rope).reshape(n, heads * head_dim)
             x, y = add_rmsnorm(x, linear(attn, w.o), w.input_norm_2, w.post_norm, eps, launch=launch)
-            mlp = linear(swiglu(linear(y, w.gate_up), launch=launch), w.down)
+            mlp = linear(self._gate_up_swiglu(y, w.gate_up), w.down)
             closing = layers[i + 1].input_norm if i + 1 < len(layers) else self._final_norm
             x, y = add_rmsnorm(x, mlp, w.post_norm_2, closing, eps, launch=launch)
         return y
@@ -227,18 +239,21 @@ def build_gemv(shape: tuple[int, int], setting: GemvSetting, max_rows: int, devi
     return SplitKGemv(*shape, setting, max_rows, device)
 
 
-def linear_choice(weights: list[torch.Tensor], tiers: list[Tier], launch: KernelLaunch = PLAIN) -> Linear:
-    """F.linear, or a RowBoundLinear with one GEMV per (out, in, dtype) that a tier lists (module docstring).
+def triton_runs(weight: torch.Tensor) -> bool:
+    """Whether a Triton GEMV runs for this weight: a supported dtype on CUDA, or on the CPU under
+    TRITON_INTERPRET=1 (the tests); float64, and float32 on a plain CPU, keep torch's path."""
+    return weight.dtype in SUPPORTED_DTYPES and (weight.is_cuda or _interpreting())
 
-    A Triton GEMV runs where its kernel does: weights of a supported dtype on CUDA (or on the CPU
-    under TRITON_INTERPRET=1, the tests); float64, and float32 on a plain CPU, keep torch's path."""
+
+def linear_choice(weights: list[torch.Tensor], tiers: list[Tier], launch: KernelLaunch = PLAIN) -> Linear:
+    """F.linear, or a RowBoundLinear with one GEMV per (out, in, dtype) that a tier lists and where a
+    Triton GEMV runs (`triton_runs`; module docstring)."""
     built: list[tuple[int, dict[WeightKey, Gemv]]] = []
     for max_rows, settings in tiers:
         gemvs: dict[WeightKey, Gemv] = {}
         for w in weights:
             key = (*w.shape, w.dtype)
-            runs_here = w.dtype in SUPPORTED_DTYPES and (w.is_cuda or _interpreting())
-            if key in settings and key not in gemvs and runs_here:
+            if key in settings and key not in gemvs and triton_runs(w):
                 gemvs[key] = build_gemv(tuple(w.shape), settings[key], max_rows, w.device, launch)
         built.append((max_rows, gemvs))
     if not any(gemvs for _, gemvs in built):
@@ -246,6 +261,26 @@ def linear_choice(weights: list[torch.Tensor], tiers: list[Tier], launch: Kernel
     linear = RowBoundLinear(built)
     log.info("fused_layers: Triton GEMVs %s", linear)
     return linear
+
+
+class GateUpSwiGLU:
+    """swiglu(x·W_gate_upᵀ): one strip launch with SwiGLU for passes of at most max_rows rows whose
+    gate|up weight has a setting, else the linear strategy's GEMM then swiglu's launch (the same bits)."""
+
+    def __init__(self, linear: Linear, weights: list[torch.Tensor], settings: Mapping[WeightKey, StripConfig],
+                 max_rows: int, launch: KernelLaunch) -> None:
+        self._linear, self.max_rows, self._launch = linear, max_rows, launch
+        self.strips: dict[WeightKey, StripGemv] = {}
+        for w in weights:
+            key = (*w.shape, w.dtype)
+            if key in settings and key not in self.strips and triton_runs(w):
+                self.strips[key] = StripGemv(*w.shape, settings[key], max_rows, launch, swiglu=True)
+
+    def __call__(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+        strip = self.strips.get((*gate_up.shape, gate_up.dtype)) if x.shape[0] <= self.max_rows else None
+        if strip is not None:
+            return strip(x, gate_up)
+        return swiglu(self._linear(x, gate_up), launch=self._launch)
 
 
 def triton_rows(linear: Linear, weights: list[torch.Tensor]) -> int:
