@@ -5,9 +5,11 @@
 #
 #   bash scripts/gpu_grid.sh 1                     # workers 0: fixed, trace, shallow, ouro, ouro_replay; c = 1, 32
 #   bash scripts/gpu_grid.sh 2 .bench/grid.json    # workers 1: fixed, trace, ouro, ouro_replay; c = 1, 32
-#   bash scripts/gpu_grid.sh 3 .bench/grid.json    # workers 0: fixed, trace, ouro; c = 128
+#   bash scripts/gpu_grid.sh 3 .bench/grid.json    # workers 0: fixed, trace; c = 128
 #   bash scripts/gpu_grid.sh 4 .bench/grid.json    # workers 1: fixed, trace, ouro; c = 128
-#   bash scripts/gpu_grid.sh 5 .bench/grid.json    # workers 0: ouro, ouro_replay; c = 128
+#   bash scripts/gpu_grid.sh 5 .bench/grid.json    # workers 0: ouro, ouro_replay; c = 128 (ouro's replay
+#                                                  # needs ouro's depths from the same invocation, so ouro
+#                                                  # at c = 128 is measured here, not in part 3)
 #   bash scripts/gpu_grid.sh 6 .bench/grid.json    # workers 0: trace and fixed without mixed batches (on by default); c = 32, 128; the plot
 #
 # c = 128 has a part per worker count: on the H200 at 52845ec a c = 128 configuration's gate took 4-20 s,
@@ -35,7 +37,7 @@ bench=(python -m rlt_engine.cli bench throughput --model synthetic-ouro-1.4b --r
 case $part in
   1) args=(--workers 0 --exit fixed,trace,shallow,ouro,ouro_replay --concurrency 1,32 --max-seconds 12) ;;
   2) args=(--workers 1 --exit fixed,trace,ouro,ouro_replay --concurrency 1,32 --max-seconds 12 --resume) ;;
-  3) args=(--workers 0 --exit fixed,trace,ouro --concurrency 128 --max-seconds 30 --resume) ;;
+  3) args=(--workers 0 --exit fixed,trace --concurrency 128 --max-seconds 30 --resume) ;;
   4) args=(--workers 1 --exit fixed,trace,ouro --concurrency 128 --max-seconds 30 --resume) ;;
   5) args=(--workers 0 --exit ouro,ouro_replay --concurrency 128 --max-seconds 30 --resume) ;;
   6) args=(--workers 0 --exit trace_separate,fixed_separate --concurrency 32,128 --max-seconds 30 --resume
