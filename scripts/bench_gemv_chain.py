@@ -24,18 +24,17 @@ while the chain runs and is captured), `splitk` (SplitKGemv, plain launches), `s
 strip_gemv.py, each program a strip of whole weight rows); one GEMV per shape serves all layers, as
 FusedOuroModel's does. Each Triton mode takes one setting per shape from its family's candidates
 (CANDIDATES, STRIP_CANDIDATES): the first (a guess), or with `--sweep` the fastest, timed first in
-a single-shape chain (--layers GEMVs of that shape on one
-input: stream order serializes them as a data dependency would, and a PDL launch waits on its
-predecessor whatever it reads) and picked by time summed over the row counts (one setting serves
-every M: batch invariance).
+a single-shape chain (--layers GEMVs of that shape on one input: stream order serializes them as a
+data dependency would, and a PDL launch waits on its predecessor whatever it reads) and picked by
+time summed over the row counts (one setting serves every M: batch invariance).
 
 Before timing, each mode is checked against cuBLAS: every shape's GEMV (layer 0) within one bf16
 ulp (rtol 2⁻⁷, atol 2e-3), the whole chain's graph output within 0.1 relative (96 roundings
 compound: a CPU simulation of two fp32 summation orders gives 0.02-0.03 after 24 layers; a wrong
 chain gives ~1.4); each PDL mode's graph output bit-equal to its plain mode's, and each Triton
-mode's graph bit-equal to its eager chain. Timing: the whole chain (4·layers GEMVs) captured in one CUDA graph,
-warmed up, then --batches batches of --per-batch replays between CUDA events, the modes' batches
-interleaved; the median batch, per chain. Reported per mode and M: ms per chain, GB/s of weights,
+mode's graph bit-equal to its eager chain. Timing: the whole chain (4·layers GEMVs) captured in one
+CUDA graph, warmed up, then --batches batches of --per-batch replays between CUDA events, the modes'
+batches interleaved; the median batch, per chain. Reported per mode and M: ms per chain, GB/s of weights,
 the ratio to cuBLAS (> 1: faster), the configs.
 """
 
@@ -61,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rlt_worker.kernels.launch import PLAIN, KernelLaunch, interpreting  # noqa: E402
 from rlt_worker.kernels.splitk_gemv import SplitKConfig, SplitKGemv  # noqa: E402
 from rlt_worker.kernels.strip_gemv import StripConfig, StripGemv, split_k  # noqa: E402
-from rlt_worker.models.ouro_fused import SPLITK_MAX_ROWS, STRIP_SETTINGS  # noqa: E402
+from rlt_worker.models.ouro_fused import SPLITK_MAX_ROWS, STRIP_SETTINGS, Gemv, GemvSetting  # noqa: E402
 
 # (name, out_features, in_features) of one layer's GEMVs in chain order (Ouro-1.4B, packed weights).
 LAYER = (("q|k|v", 6144, 2048), ("o", 2048, 2048), ("gate|up", 11264, 2048), ("down", 2048, 5632))
@@ -129,17 +128,13 @@ def strip_candidates(name: str) -> list[StripConfig]:
     return [own, *(cfg for cfg in swept if cfg != own)] if own else swept
 
 
-Setting = SplitKConfig | StripConfig
-Gemv = SplitKGemv | StripGemv
-
-
 @dataclass(frozen=True)
 class Family:
     """A Triton GEMV the chain can run: its settings per shape, how one is built, and its record."""
 
     candidates: Callable[[str], list]
-    build: Callable[[int, int, Setting, KernelLaunch, int, torch.device], Gemv]
-    record: Callable[[Setting, int, int, int], dict]
+    build: Callable[[int, int, GemvSetting, KernelLaunch, int, torch.device], Gemv]
+    record: Callable[[GemvSetting, int, int, int], dict]
 
 
 def splitk_record(cfg: SplitKConfig, n: int, k: int, max_rows: int) -> dict:
@@ -209,12 +204,12 @@ def run_chain(linear: Linear, layers: list[list[torch.Tensor]], x: torch.Tensor)
     return h
 
 
-def splitk_linear(gemvs: dict[tuple[int, int], Gemv]) -> Linear:
+def gemv_linear(gemvs: dict[tuple[int, int], Gemv]) -> Linear:
     """F.linear's signature over one GEMV per weight shape."""
     return lambda x, w: gemvs[tuple(w.shape)](x, w)
 
 
-def make_gemvs(configs: dict[str, Setting], launch: KernelLaunch, max_rows: int, device: torch.device,
+def make_gemvs(configs: dict[str, GemvSetting], launch: KernelLaunch, max_rows: int, device: torch.device,
                layer: tuple[tuple[str, int, int], ...] | None = None,
                family: str = "splitk") -> dict[tuple[int, int], Gemv]:
     """One GEMV of `family` per shape of `layer` (name, out, in; LAYER by default), with that name's setting."""
@@ -258,14 +253,14 @@ def time_graphs(graphs: dict[str, torch.cuda.CUDAGraph], batches: int, per_batch
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def label(cfg: Setting) -> str:
+def label(cfg: GemvSetting) -> str:
     """A setting in a few characters: N32 K256 S4 w4 st1 (S: the slices asked for), or a strip's N4 w4."""
     if isinstance(cfg, StripConfig):
         return f"N{cfg.block_n} w{cfg.num_warps}"
     return f"N{cfg.block_n} K{cfg.block_k} S{cfg.splits} w{cfg.num_warps} st{cfg.num_stages}"
 
 
-def config_record(cfg: Setting, n: int, k: int, max_rows: int) -> dict:
+def config_record(cfg: GemvSetting, n: int, k: int, max_rows: int) -> dict:
     """The setting's JSON record (its family's)."""
     return FAMILIES["strip" if isinstance(cfg, StripConfig) else "splitk"].record(cfg, n, k, max_rows)
 
@@ -282,11 +277,11 @@ def time_candidate(args: argparse.Namespace, gemv: Gemv, weights: list[torch.Ten
 
 
 def sweep(args: argparse.Namespace, layers: list[list[torch.Tensor]], modes: dict[str, KernelLaunch],
-          rows_list: list[int]) -> tuple[dict[str, dict[str, Setting]], list[dict]]:
+          rows_list: list[int]) -> tuple[dict[str, dict[str, GemvSetting]], list[dict]]:
     """Each Triton mode's fastest candidate per shape (least ms summed over the row counts), each timed
     in a chain of --layers GEMVs of its shape; the JSON rows of every timing."""
     device = layers[0][0].device
-    picked: dict[str, dict[str, Setting]] = {mode: {} for mode in modes}
+    picked: dict[str, dict[str, GemvSetting]] = {mode: {} for mode in modes}
     results = []
     for i, (name, n, k) in enumerate(LAYER):
         weights = [layer[i] for layer in layers]
@@ -294,7 +289,7 @@ def sweep(args: argparse.Namespace, layers: list[list[torch.Tensor]], modes: dic
         xs = {rows: torch.randn(rows, k, device=device, dtype=weights[0].dtype) for rows in rows_list}
         for mode, launch in modes.items():
             family = FAMILIES[family_of(mode)]
-            timed: list[tuple[Setting, dict[int, float]]] = []
+            timed: list[tuple[GemvSetting, dict[int, float]]] = []
             for cfg in family.candidates(name):
                 try:
                     ms = time_candidate(args, family.build(n, k, cfg, launch, args.max_rows, device), weights, xs)
@@ -378,8 +373,8 @@ def main(argv: list[str] | None = None) -> None:
     linears: dict[str, Linear] = {m: F.linear for m in mode_names if not family_of(m)}
     plain_twins: dict[str, Linear] = {}  # each Triton mode's settings, launched plain: the bitwise reference
     for mode, launch in launches.items():
-        linears[mode] = splitk_linear(make_gemvs(configs[mode], launch, args.max_rows, device, family=family_of(mode)))
-        plain_twins[mode] = splitk_linear(make_gemvs(configs[mode], PLAIN, args.max_rows, device,
+        linears[mode] = gemv_linear(make_gemvs(configs[mode], launch, args.max_rows, device, family=family_of(mode)))
+        plain_twins[mode] = gemv_linear(make_gemvs(configs[mode], PLAIN, args.max_rows, device,
                                                      family=family_of(mode)))
 
     report_checks, results = {}, []

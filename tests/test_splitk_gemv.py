@@ -211,24 +211,32 @@ def check_slices_of_many_blocks(config: dict) -> None:
         assert torch.equal(gemv(x[7:8], w), full[7:8]), f"S{s}: row 7 alone"
 
 
-def check_bench_chain() -> None:
-    """scripts/bench_gemv_chain.py's chain through split-K (Ouro's shapes shrunk 64×, 2 layers,
-    float32): each GEMV reads a column slice of the last one's output, as F.linear's chain does."""
+def assert_bench_chain_equals_torch(family: str, configs_of: Callable[[str], object], max_rows: int,
+                                    pass_rows: tuple[int, ...]) -> None:
+    """scripts/bench_gemv_chain.py's chain through `family`'s GEMVs (Ouro's shapes shrunk 64×, 2 layers,
+    float32, the setting configs_of(shape name)) equals its chain through F.linear at each row count:
+    each GEMV reads a column slice of the last one's output, as F.linear's chain does."""
     sys.path.insert(0, str(ROOT / "scripts"))
     import bench_gemv_chain as bench
 
     from rlt_worker.kernels.launch import PLAIN
-    from rlt_worker.kernels.splitk_gemv import SplitKConfig
 
     shrunk = tuple((name, n // 64, k // 64) for name, n, k in bench.LAYER)
     gen = torch.Generator().manual_seed(1)
     layers = [[torch.randn(n, k, generator=gen) * k**-0.5 for _, n, k in shrunk] for _ in range(2)]
-    configs = {name: SplitKConfig(block_n=16, block_k=16, splits=2) for name, _, _ in shrunk}
-    gemvs = bench.make_gemvs(configs, PLAIN, 8, torch.device("cpu"), shrunk)
-    for rows in (1, 5):
+    configs = {name: configs_of(name) for name, _, _ in shrunk}
+    gemvs = bench.make_gemvs(configs, PLAIN, max_rows, torch.device("cpu"), shrunk, family=family)
+    for rows in pass_rows:
         x = torch.randn(rows, shrunk[0][2], generator=gen)
-        got = bench.run_chain(bench.splitk_linear(gemvs), layers, x)
+        got = bench.run_chain(bench.gemv_linear(gemvs), layers, x)
         torch.testing.assert_close(got, bench.run_chain(F.linear, layers, x), **F32)
+
+
+def check_bench_chain() -> None:
+    """The bench's chain through split-K equals its chain through F.linear (assert_bench_chain_equals_torch)."""
+    from rlt_worker.kernels.splitk_gemv import SplitKConfig
+
+    assert_bench_chain_equals_torch("splitk", lambda name: SplitKConfig(block_n=16, block_k=16, splits=2), 8, (1, 5))
 
 
 # The interpreter runs a trimmed grid (a ragged slice count, the fewest and most rows): it interprets

@@ -155,27 +155,20 @@ def check_fused_loop_with_swiglu_strips() -> None:
 
 
 def check_bench_chain() -> None:
-    """scripts/bench_gemv_chain.py's chain through strips (Ouro's shapes shrunk 64×, 2 layers, float32)
-    equals its chain through F.linear; its strip candidates start with the model's settings."""
+    """scripts/bench_gemv_chain.py's strip candidates start with the model's settings, and its chain
+    through strips equals its chain through F.linear (assert_bench_chain_equals_torch)."""
     import sys
+
+    from test_splitk_gemv import assert_bench_chain_equals_torch
 
     sys.path.insert(0, str(interp.ROOT / "scripts"))
     import bench_gemv_chain as bench
 
-    from rlt_worker.kernels.launch import PLAIN
     from rlt_worker.models.ouro_fused import STRIP_SETTINGS
 
     for name, n, k in bench.LAYER:
         assert bench.strip_candidates(name)[0] == STRIP_SETTINGS[(n, k, torch.bfloat16)]
-    shrunk = tuple((name, n // 64, k // 64) for name, n, k in bench.LAYER)
-    gen = torch.Generator().manual_seed(1)
-    layers = [[torch.randn(n, k, generator=gen) * k**-0.5 for _, n, k in shrunk] for _ in range(2)]
-    configs = {name: bench.strip_candidates(name)[0] for name, _, _ in shrunk}
-    gemvs = bench.make_gemvs(configs, PLAIN, 4, torch.device("cpu"), shrunk, family="strip")
-    for rows in (1, 3):
-        x = torch.randn(rows, shrunk[0][2], generator=gen)
-        got = bench.run_chain(bench.splitk_linear(gemvs), layers, x)
-        torch.testing.assert_close(got, bench.run_chain(F.linear, layers, x), **F32)
+    assert_bench_chain_equals_torch("strip", lambda name: bench.strip_candidates(name)[0], 4, (1, 3))
 
 
 INTERP_CASES: dict[str, Callable[[], None]] = {
