@@ -26,9 +26,11 @@ The PDL path packs its own copy of the q|k|v and gate|up weights (a second Fused
 that won in a `scripts/bench_linear.py --sweep --json FILE` run, compared with `fused` the same way.
 `--cublas-path` adds `fused-cublas`: the fused path with plain launches and no Triton GEMV tier
 (every GEMM on cuBLAS, as before the strip GEMVs), compared with `fused` the same way.
-`--swiglu-path` adds `fused-swiglu`: the fused path under the last --pdl launch with gate|up's strip
-applying SwiGLU too (StripConfig(2, 4); ouro_fused.STRIP_SWIGLU_SETTINGS), compared with that path
-(bit-equal where that path's gate|up is a strip too: Ouro-1.4B's shapes at one row).
+`--epilogue-paths` adds three paths under the last --pdl launch, each compared with that path:
+`fused-swiglu` (gate|up's strip applies SwiGLU too: StripConfig(2, 4), ouro_fused.STRIP_SWIGLU_SETTINGS;
+bit-equal where that path's gate|up is a strip too: Ouro-1.4B's shapes at one row), `fused-epilogues`
+(and q|k|v's strip rotates q and k and writes k and v: StripConfig(1, 4), STRIP_ROTARY_SETTINGS) and
+`fused-norms` (and the add + RMSNorm before both runs in their strips: ouro_fused.FUSE_NORMS).
 
 Both paths share one KV pool of random K/V (only values read by attention; both write their own
 K/V of the pass at the same slots). The bytes a pass must read (loop weights + the context's K/V)
@@ -66,8 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also time the fused path with the winning split-K settings of this bench_linear sweep JSON")
     p.add_argument("--cublas-path", action="store_true",
                    help="also time the fused path with every GEMM on cuBLAS (no strip or split-K GEMVs)")
-    p.add_argument("--swiglu-path", action="store_true",
-                   help="also time the fused path with gate|up's strip applying SwiGLU (one launch less a layer)")
+    p.add_argument("--epilogue-paths", action="store_true",
+                   help="add fused-swiglu, fused-epilogues and fused-norms (epilogue strips; see the docstring)")
     p.add_argument("--top", type=int, default=0, help="print the N kernel names with the most GPU time per path")
     p.add_argument("--json", default=None, help="write the results here")
     return p.parse_args(argv)
@@ -118,11 +120,10 @@ class Setup:
             settings = winning_settings(json.loads(Path(args.splitk).read_text()))
             print(f"fused-splitk: {len(settings)} weights on split-K: {settings}")
             paths.append(("fused-splitk", FusedOuroModel(self.reference, PLAIN, splitk=settings), PLAIN))
-        if args.swiglu_path:
-            name, launch = fused[-1]
-            gate_up = (2 * self.reference.config.intermediate_size, self.reference.config.hidden_size, dtype)
-            model = FusedOuroModel(self.reference, launch, strip_swiglu={gate_up: StripConfig(2, 4)})
-            paths.append(("fused-swiglu", model, launch))
+        if args.epilogue_paths:
+            _, launch = fused[-1]
+            paths += [(name, FusedOuroModel(self.reference, launch, **settings), launch)
+                      for name, settings in epilogue_settings(self.reference.config, dtype).items()]
         if args.cublas_path:
             paths.append(("fused-cublas", FusedOuroModel(self.reference, PLAIN, splitk={}, strip={}), PLAIN))
         planes = num_planes(info, "last_exited", self.depth)
@@ -163,6 +164,19 @@ class Setup:
         graphs = self.runners[name]._graphs
         key = graphs.bucket(rows, context - 1)
         return key, graphs._graphs[key]
+
+
+EPILOGUE_PATHS = ("fused-swiglu", "fused-epilogues", "fused-norms")
+
+
+def epilogue_settings(config, dtype: torch.dtype) -> dict[str, dict]:
+    """FusedOuroModel's keyword arguments for each epilogue path, at the model's gate|up and q|k|v shapes."""
+    hidden = config.hidden_size
+    gate_up = {(2 * config.intermediate_size, hidden, dtype): StripConfig(2, 4)}
+    qkv = {((config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim, hidden, dtype):
+           StripConfig(1, 4)}
+    return dict(zip(EPILOGUE_PATHS, (dict(strip_swiglu=gate_up), dict(strip_swiglu=gate_up, strip_rotary=qkv),
+                                     dict(strip_swiglu=gate_up, strip_rotary=qkv, fuse_norms=True)), strict=True))
 
 
 def time_replays(graph, replays: int, cuda: bool) -> list[float]:
@@ -289,8 +303,8 @@ def main(args: argparse.Namespace) -> dict:
         comparisons = [("torch", _fused_path(setup))] + ([("fused", "fused-pdl")] if args.pdl == "both" else [])
         comparisons += [(_fused_path(setup), "fused-splitk")] if args.splitk else []
         comparisons += [(_fused_path(setup), "fused-cublas")] if args.cublas_path else []
-        comparisons += [({"off": "fused", "on": "fused-pdl", "both": "fused-pdl"}[args.pdl], "fused-swiglu")
-                        ] if args.swiglu_path else []
+        last_fused = {"off": "fused", "on": "fused-pdl", "both": "fused-pdl"}[args.pdl]
+        comparisons += [(last_fused, name) for name in EPILOGUE_PATHS] if args.epilogue_paths else []
         for rows in rows_list:
             outs = {name: setup.run_pass(name, rows, args.context) for name in setup.runners}
             report["parity"].extend({"pair": f"{b} vs {a}", "dtype": dtype_name, "rows": rows,

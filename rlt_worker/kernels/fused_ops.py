@@ -48,9 +48,30 @@ try:
 except ImportError:  # pragma: no cover - exercised only without Triton
     libdevice = None
 
-__all__ = ["add_rmsnorm", "rope_qk", "rope_table", "swiglu", "write_kv_rotary"]
+__all__ = ["add_rmsnorm", "check_rotary_targets", "rope_qk", "rope_table", "swiglu", "write_kv_rotary"]
 
 SWIGLU_BLOCK = 1024  # columns per SwiGLU program
+
+
+def _rms_rsqrt(sum_sq, n_cols, inv_n, eps, F64: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """1 / sqrt(mean of squares + eps) from the sum of squares: fp64 by division, fp32 by rsqrtf."""
+    if F64:
+        return 1.0 / tl.sqrt(sum_sq / n_cols + eps)
+    elif LIBDEVICE:
+        return libdevice.rsqrt(sum_sq * inv_n + eps)
+    else:
+        return tl.math.rsqrt(sum_sq * inv_n + eps)
+
+
+def _rms_weighted(v, r, w):
+    """w·norm(v) for v in the compute dtype: v·r rounded to w's dtype, times w, rounded again."""
+    return (w.to(v.dtype) * (v * r).to(w.dtype).to(v.dtype)).to(w.dtype)
+
+
+# The norm's steps as device functions, shared with the strip GEMV's norm prologue. Jitted at import,
+# in the mode Triton is in then (tests/interp.py: an interpreter process sets TRITON_INTERPRET first).
+rms_rsqrt = triton.jit(_rms_rsqrt) if triton is not None else None
+rms_weighted = triton.jit(_rms_weighted) if triton is not None else None
 
 
 def _add_rmsnorm_kernel(
@@ -78,23 +99,11 @@ def _add_rmsnorm_kernel(
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     if HAS_RESIDUAL:
         h = tl.load(h_ptr + row * stride_h + cols, mask=ok, other=0.0).to(cdt)
-        if F64:
-            r = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / n_cols + eps)
-        elif LIBDEVICE:
-            r = libdevice.rsqrt(tl.sum(h * h, axis=0) * inv_n + eps)
-        else:
-            r = tl.math.rsqrt(tl.sum(h * h, axis=0) * inv_n + eps)
-        a = (wa.to(cdt) * (h * r).to(dtype).to(cdt)).to(dtype)
+        a = rms_weighted(h, rms_rsqrt(tl.sum(h * h, axis=0), n_cols, inv_n, eps, F64, LIBDEVICE), wa)
         x = (x.to(cdt) + a.to(cdt)).to(dtype)
         tl.store(x_out_ptr + row * stride_xo + cols, x, mask=ok)
     xc = x.to(cdt)
-    if F64:
-        r = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / n_cols + eps)
-    elif LIBDEVICE:
-        r = libdevice.rsqrt(tl.sum(xc * xc, axis=0) * inv_n + eps)
-    else:
-        r = tl.math.rsqrt(tl.sum(xc * xc, axis=0) * inv_n + eps)
-    y = (wb.to(cdt) * (xc * r).to(dtype).to(cdt)).to(dtype)
+    y = rms_weighted(xc, rms_rsqrt(tl.sum(xc * xc, axis=0), n_cols, inv_n, eps, F64, LIBDEVICE), wb)
     tl.store(y_ptr + row * stride_y + cols, y, mask=ok)
 
 
@@ -256,15 +265,29 @@ def write_kv_rotary(
     """rope_qk then triton_backend.write_kv in one launch: rotated q [N, Hq, Dh] returned, rotated k
     and v (as it is in qkv) stored at flat cache slots [N] of k_cache/v_cache [blocks, block_size, Hkv, Dh]
     (any strides), bit for bit what the two launches store."""
-    cache_shape = (rope.num_kv_heads, rope.head_dim)
-    if k_cache.shape != v_cache.shape or k_cache.shape[2:] != cache_shape or k_cache.dtype != qkv.dtype \
-            or v_cache.dtype != qkv.dtype or slot_mapping.shape != (qkv.shape[0],):
-        raise ValueError(f"caches {tuple(k_cache.shape)} {k_cache.dtype}, {tuple(v_cache.shape)} {v_cache.dtype} "
-                         f"and slots {tuple(slot_mapping.shape)} do not fit qkv {tuple(qkv.shape)} {qkv.dtype} "
-                         f"of {rope.num_kv_heads} kv heads of {rope.head_dim}")
+    check_rotary_targets(k_cache, v_cache, qkv.shape[0], qkv.dtype, rope, slot_mapping)
     q = torch.empty(qkv.shape[0], rope.num_heads, rope.head_dim, dtype=qkv.dtype, device=qkv.device)
     _rope(qkv, rope, q, (k_cache, v_cache, slot_mapping), launch)
     return q
+
+
+def check_rotary_targets(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: int, dtype: torch.dtype, rope: Rotary,
+                         slot_mapping: torch.Tensor) -> None:
+    """A rotating K/V write's caches [blocks, block_size, Hkv, Dh] of the rows' dtype, slots [rows], and
+    one rope_table pair; a ValueError otherwise."""
+    cache_shape = (rope.num_kv_heads, rope.head_dim)
+    if k_cache.shape != v_cache.shape or k_cache.shape[2:] != cache_shape or k_cache.dtype != dtype \
+            or v_cache.dtype != dtype or slot_mapping.shape != (rows,) or rope.positions.shape != (rows,):
+        raise ValueError(f"caches {tuple(k_cache.shape)} {k_cache.dtype}, {tuple(v_cache.shape)} {v_cache.dtype}, "
+                         f"slots {tuple(slot_mapping.shape)} and positions {tuple(rope.positions.shape)} do not fit "
+                         f"{rows} rows of {dtype} with {rope.num_kv_heads} kv heads of {rope.head_dim}")
+    _check_rope_table(rope)
+
+
+def _check_rope_table(rope: Rotary) -> None:
+    cos, sin, head_dim = rope.cos, rope.sin, rope.head_dim
+    if cos.shape != sin.shape or cos.shape[1] != head_dim // 2 or cos.stride(1) != 1 or sin.stride() != cos.stride():
+        raise ValueError(f"cos/sin must be one rope_table pair [max_positions, {head_dim // 2}]")
 
 
 def _rope(
@@ -278,8 +301,7 @@ def _rope(
     heads = num_heads + num_kv_heads
     if qkv.shape[1] != (heads + num_kv_heads) * head_dim or head_dim % 2:
         raise ValueError(f"qkv {tuple(qkv.shape)} is not q|k|v of {num_heads}+2×{num_kv_heads} heads of {head_dim}")
-    if cos.shape != sin.shape or cos.shape[1] != head_dim // 2 or cos.stride(1) != 1 or sin.stride() != cos.stride():
-        raise ValueError(f"cos/sin must be one rope_table pair [max_positions, {head_dim // 2}]")
+    _check_rope_table(rope)
     _check_device(qkv, positions, cos, sin, *(cache or ()))
     if num_rows == 0:
         return

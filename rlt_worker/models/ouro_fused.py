@@ -42,7 +42,6 @@ the kernels' launch (`launch_pdl`: kernels/launch.py), which changes timing, not
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
@@ -55,9 +54,9 @@ from rlt_worker.attention.triton_backend import _interpreting
 from rlt_worker.kernels.fused_ops import add_rmsnorm, rope_qk, rope_table, swiglu
 from rlt_worker.kernels.launch import PLAIN, KernelLaunch
 from rlt_worker.kernels.splitk_gemv import SUPPORTED_DTYPES, SplitKConfig, SplitKGemv
-from rlt_worker.kernels.strip_gemv import StripConfig, StripGemv
+from rlt_worker.kernels.strip_gemv import Epilogue, InputNorm, KVTarget, StripConfig, StripGemv
 
-from .base import AttentionContext, LayerId, LoopedModel, Rotary, RotaryAttentionContext
+from .base import AttentionContext, LayerId, LoopedModel, Rotary, RotaryAttentionContext, WritingAttentionContext
 from .ouro import OuroDecoderLayer, OuroModel
 
 log = logging.getLogger("rlt.worker")
@@ -83,9 +82,17 @@ STRIP_MAX_ROWS = 1
 # Strips that also apply SwiGLU (gate|up weights only: the gate rows of their columns and the up rows
 # below them, one launch for y·W_gate_upᵀ and swiglu), for passes of at most STRIP_MAX_ROWS rows.
 # Empty, so off: bit-equal to the strip then swiglu's launch under the interpreter, not yet timed on
-# the H200. To measure: scripts/profile_decode_pass.py --swiglu-path (StripConfig(2, 4) holds 2 gate
+# the H200. To measure: scripts/profile_decode_pass.py --epilogue-paths (StripConfig(2, 4) holds 2 gate
 # and 2 up rows a program, the registers of the gate|up strip's N4 w4).
 STRIP_SWIGLU_SETTINGS: Mapping[WeightKey, StripConfig] = {}
+# Strips of q|k|v that also rotate q and k and store k and v into the paged caches (one launch for
+# y·W_qkvᵀ and write_kv_rotary), for passes of at most STRIP_MAX_ROWS rows; StripConfig(1, 4) holds
+# one pair of rows (dimensions i and i + Dh/2 of a head) a program, the registers of q|k|v's N2 w4.
+# Empty, so off until timed on the H200 (scripts/profile_decode_pass.py --fused-strips).
+STRIP_ROTARY_SETTINGS: Mapping[WeightKey, StripConfig] = {}
+# Whether the add + RMSNorm before q|k|v and gate|up runs in their epilogue strips' prologue (each
+# program normalizes the row itself; program 0 stores x'), where those strips run. Off until timed.
+FUSE_NORMS = False
 
 
 class PackedLayer(NamedTuple):
@@ -137,7 +144,9 @@ class FusedOuroModel(LoopedModel):
                  splitk_max_rows: int = SPLITK_MAX_ROWS,
                  strip: Mapping[WeightKey, StripConfig] = STRIP_SETTINGS,
                  strip_max_rows: int = STRIP_MAX_ROWS,
-                 strip_swiglu: Mapping[WeightKey, StripConfig] = STRIP_SWIGLU_SETTINGS) -> None:
+                 strip_swiglu: Mapping[WeightKey, StripConfig] = STRIP_SWIGLU_SETTINGS,
+                 strip_rotary: Mapping[WeightKey, StripConfig] = STRIP_ROTARY_SETTINGS,
+                 fuse_norms: bool = FUSE_NORMS) -> None:
         super().__init__()
         self.reference = reference
         self.config = reference.config
@@ -151,8 +160,12 @@ class FusedOuroModel(LoopedModel):
         # PDL only for the passes with no cuBLAS kernel, the rows every weight has a Triton GEMV for
         # (kernels/launch.py: with cuBLAS between them it measured slower).
         self.launch = launch.bounded(triton_rows(self._linear, weights))
-        self._gate_up_swiglu = GateUpSwiGLU(self._linear, [w.gate_up for w in self._layers], strip_swiglu,
-                                            strip_max_rows, self.launch)
+        strips = EpilogueStrips(strip_max_rows, self.launch, fuse_norms, self._eps)
+        self._gate_up_swiglu = GateUpSwiGLU(self._linear, strips.built([w.gate_up for w in self._layers],
+                                                                       strip_swiglu, Epilogue.SWIGLU), strips)
+        heads = (self._heads, self._kv_heads, self._head_dim)
+        self._qkv_attention = QkvAttention(self._linear, strips.built([w.qkv for w in self._layers], strip_rotary,
+                                                                      Epilogue.ROTARY_KV, heads), strips)
         self._final_norm = reference.model.norm.weight.detach()  # a plain tensor: not a parameter of this module
         weight = self._final_norm
         # Every position the model supports, as split_half_cos_sin computes it (fp32, then cast).
@@ -171,20 +184,16 @@ class FusedOuroModel(LoopedModel):
         self, state: torch.Tensor, embedded: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         """All L decoder layers then `model.norm`, through the fused kernels."""
-        n = state.shape[0]
-        heads, kv_heads, head_dim, eps, launch = self._heads, self._kv_heads, self._head_dim, self._eps, self.launch
-        layers, linear = self._layers, self._linear
-        rope = Rotary(positions, self._cos, self._sin, heads, kv_heads, head_dim)
-        attend_rotary = (ctx.attend_rotary if isinstance(ctx, RotaryAttentionContext)
-                         else functools.partial(rope_then_attend, ctx))
-        x, y = add_rmsnorm(state, None, None, layers[0].input_norm, eps, launch=launch)
+        n, eps, layers, linear = state.shape[0], self._eps, self._layers, self._linear
+        rope = Rotary(positions, self._cos, self._sin, self._heads, self._kv_heads, self._head_dim)
+        x, norm = state, InputNorm(None, None, layers[0].input_norm, eps)
         for i, w in enumerate(layers):
-            attn = attend_rotary(w.layer, linear(y, w.qkv), rope).reshape(n, heads * head_dim)
-            x, y = add_rmsnorm(x, linear(attn, w.o), w.input_norm_2, w.post_norm, eps, launch=launch)
-            mlp = linear(self._gate_up_swiglu(y, w.gate_up), w.down)
+            x, attn = self._qkv_attention(ctx, w.layer, x, norm, w.qkv, rope)
+            x, act = self._gate_up_swiglu(x, InputNorm(linear(attn.reshape(n, -1), w.o), w.input_norm_2,
+                                                       w.post_norm, eps), w.gate_up)
             closing = layers[i + 1].input_norm if i + 1 < len(layers) else self._final_norm
-            x, y = add_rmsnorm(x, mlp, w.post_norm_2, closing, eps, launch=launch)
-        return y
+            norm = InputNorm(linear(act, w.down), w.post_norm_2, closing, eps)
+        return add_rmsnorm(x, *norm, launch=self.launch)[1]
 
     def exit_gate(self, state: torch.Tensor) -> torch.Tensor:
         """The reference's gate."""
@@ -263,24 +272,82 @@ def linear_choice(weights: list[torch.Tensor], tiers: list[Tier], launch: Kernel
     return linear
 
 
-class GateUpSwiGLU:
-    """swiglu(x·W_gate_upᵀ): one strip launch with SwiGLU for passes of at most max_rows rows whose
-    gate|up weight has a setting, else the linear strategy's GEMM then swiglu's launch (the same bits)."""
+class EpilogueStrips:
+    """What the epilogue strategies share: their row bound and launch, and the input norm, fused into
+    the strip (fuse_norms) or add_rmsnorm's launch before it."""
 
-    def __init__(self, linear: Linear, weights: list[torch.Tensor], settings: Mapping[WeightKey, StripConfig],
-                 max_rows: int, launch: KernelLaunch) -> None:
-        self._linear, self.max_rows, self._launch = linear, max_rows, launch
-        self.strips: dict[WeightKey, StripGemv] = {}
+    def __init__(self, max_rows: int, launch: KernelLaunch, fuse_norms: bool, eps: float) -> None:
+        self.max_rows, self.launch, self.fuse_norms, self.eps = max_rows, launch, fuse_norms, eps
+
+    def built(self, weights: list[torch.Tensor], settings: Mapping[WeightKey, StripConfig], epilogue: Epilogue,
+              heads: tuple[int, int, int] | None = None) -> dict[WeightKey, StripGemv]:
+        """One strip per listed (out, in, dtype) of these weights where a Triton GEMV runs."""
+        strips: dict[WeightKey, StripGemv] = {}
         for w in weights:
             key = (*w.shape, w.dtype)
-            if key in settings and key not in self.strips and triton_runs(w):
-                self.strips[key] = StripGemv(*w.shape, settings[key], max_rows, launch, swiglu=True)
+            if key in settings and key not in strips and triton_runs(w):
+                strips[key] = StripGemv(*w.shape, settings[key], self.max_rows, self.launch, epilogue, heads)
+        return strips
 
-    def __call__(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-        strip = self.strips.get((*gate_up.shape, gate_up.dtype)) if x.shape[0] <= self.max_rows else None
+    def find(self, strips: dict[WeightKey, StripGemv], x: torch.Tensor, weight: torch.Tensor) -> StripGemv | None:
+        """The strip for this weight at x's rows, if any."""
+        return strips.get((*weight.shape, weight.dtype)) if x.shape[0] <= self.max_rows else None
+
+    def norm(self, x: torch.Tensor, norm: InputNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x', y) of add_rmsnorm's launch."""
+        return add_rmsnorm(x, *norm, launch=self.launch)
+
+
+class GateUpSwiGLU:
+    """(x', swiglu(y·W_gate_upᵀ)) with (x', y) the input norm: one strip launch with SwiGLU (and the
+    norm, fuse_norms) for passes of at most max_rows rows whose gate|up weight has a strip; else
+    add_rmsnorm, the linear strategy's GEMM and swiglu's launch (the same arithmetic)."""
+
+    def __init__(self, linear: Linear, strips: dict[WeightKey, StripGemv], shared: EpilogueStrips) -> None:
+        self._linear, self.strips, self._shared = linear, strips, shared
+
+    def __call__(self, x: torch.Tensor, norm: InputNorm, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shared = self._shared
+        strip = shared.find(self.strips, x, gate_up)
+        if strip is not None and shared.fuse_norms:
+            return strip.normed(x, gate_up, norm)
+        x, y = shared.norm(x, norm)
         if strip is not None:
-            return strip(x, gate_up)
-        return swiglu(self._linear(x, gate_up), launch=self._launch)
+            return x, strip(y, gate_up)
+        return x, swiglu(self._linear(y, gate_up), launch=shared.launch)
+
+
+class QkvAttention:
+    """(x', attention) of a layer, with (x', y) the input norm and q|k|v = y·W_qkvᵀ rotated and written:
+    one strip launch for the GEMV, RoPE and the K/V write (and the norm, fuse_norms) for passes of at
+    most max_rows rows whose q|k|v weight has a strip, over a context that takes such a write
+    (WritingAttentionContext); else add_rmsnorm, the linear strategy's GEMM and the context's
+    attend_rotary (or rope_then_attend). Then the context's attention."""
+
+    def __init__(self, linear: Linear, strips: dict[WeightKey, StripGemv], shared: EpilogueStrips) -> None:
+        self._linear, self.strips, self._shared = linear, strips, shared
+
+    def __call__(self, ctx: AttentionContext, layer: LayerId, x: torch.Tensor, norm: InputNorm, qkv: torch.Tensor,
+                 rope: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        shared = self._shared
+        strip = shared.find(self.strips, x, qkv) if isinstance(ctx, WritingAttentionContext) else None
+        if strip is not None and shared.fuse_norms:
+            residual: list[torch.Tensor] = []
+
+            def write_qkv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                x_out, q = strip.rotary(x, qkv, norm, rope, KVTarget(k_cache, v_cache, slots))
+                residual.append(x_out)
+                return q
+
+            attn = ctx.attend_writing(layer, write_qkv)
+            return residual[0], attn
+        x, y = shared.norm(x, norm)
+        if strip is not None:
+            return x, ctx.attend_writing(layer, lambda k_cache, v_cache, slots: strip.rotary(
+                y, qkv, None, rope, KVTarget(k_cache, v_cache, slots))[1])
+        if isinstance(ctx, RotaryAttentionContext):
+            return x, ctx.attend_rotary(layer, self._linear(y, qkv), rope)
+        return x, rope_then_attend(ctx, layer, self._linear(y, qkv), rope)
 
 
 def triton_rows(linear: Linear, weights: list[torch.Tensor]) -> int:
