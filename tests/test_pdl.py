@@ -125,23 +125,19 @@ SPLITK_KERNELS: dict[str, tuple[dict, dict]] = {
 }
 SPLITK_TYPES = {"part_ptr": "*fp32", "count_ptr": "*i32"}
 # The strip GEMV (kernels/strip_gemv.py) at q|k|v's K (a power of two) and down's (4096 + 1536 lanes),
-# gate|up's with the SwiGLU epilogue, and the epilogue strips with the add + RMSNorm prologue: gate|up
-# with SwiGLU, q|k|v with RoPE and the K/V write (16 + 2×16 heads of 128, 16-token blocks).
-_PLAIN_STRIP = dict(NORM=False, RESIDUAL=False, PAIRED=False, SWIGLU=False, ROTARY=False, GROUP=1, Q_HEADS=0,
-                    ROT_HEADS=0, BLOCK_SIZE=1, LIBDEVICE=True)
-_NORMED = dict(NORM=True, RESIDUAL=True, PAIRED=True)
+# and its epilogues: gate|up's SwiGLU, q|k|v's RoPE and K/V write (16 + 2×16 heads of 128, 16-token blocks).
+_PLAIN_STRIP = dict(PAIRED=False, SWIGLU=False, ROTARY=False, GROUP=1, Q_HEADS=0, ROT_HEADS=0, BLOCK_SIZE=1,
+                    LIBDEVICE=True)
 STRIP_KERNELS: dict[str, tuple[dict, dict]] = {
     "strip_pow2": (dict(_PLAIN_STRIP, BLOCK_N=2, K_HI=2048, K_LO=0, K_LO_PAD=1), dict(num_warps=4, num_stages=1)),
     "strip_rest": (dict(_PLAIN_STRIP, BLOCK_N=1, K_HI=4096, K_LO=1536, K_LO_PAD=2048),
                    dict(num_warps=4, num_stages=1)),
     "strip_swiglu": (dict(_PLAIN_STRIP, BLOCK_N=2, K_HI=2048, K_LO=0, K_LO_PAD=1, PAIRED=True, SWIGLU=True,
                           GROUP=5632), dict(num_warps=4, num_stages=1)),
-    "strip_norm_swiglu": (dict(_PLAIN_STRIP, **_NORMED, BLOCK_N=2, K_HI=2048, K_LO=0, K_LO_PAD=1, SWIGLU=True,
-                               GROUP=5632), dict(num_warps=4, num_stages=1)),
-    "strip_norm_rotary": (dict(_PLAIN_STRIP, **_NORMED, BLOCK_N=1, K_HI=2048, K_LO=0, K_LO_PAD=1, ROTARY=True,
-                               GROUP=64, Q_HEADS=16, ROT_HEADS=32, BLOCK_SIZE=16), dict(num_warps=4, num_stages=1)),
+    "strip_rotary": (dict(_PLAIN_STRIP, BLOCK_N=1, K_HI=2048, K_LO=0, K_LO_PAD=1, PAIRED=True, ROTARY=True,
+                          GROUP=64, Q_HEADS=16, ROT_HEADS=32, BLOCK_SIZE=16), dict(num_warps=4, num_stages=1)),
 }
-STRIP_TYPES = {"inv_k": "fp32", "eps": "fp32", "pos_ptr": "*i64", "slot_ptr": "*i64"}
+STRIP_TYPES = {"pos_ptr": "*i64", "slot_ptr": "*i64"}
 SPLITK_DIVISIBLE = ("N", "K", "stride_xm", "stride_wn", "stride_ym", "k_per_split")
 
 
@@ -220,14 +216,10 @@ def test_pdl_splitk_gemv_loads_only_its_first_weight_tile_before_the_wait(compil
 
 @pytest.mark.parametrize("name", list(STRIP_KERNELS))
 def test_pdl_strip_gemv_loads_its_whole_strip_before_the_wait(compiled: None, name: str) -> None:
-    """Before the wait the weight strip's loads only (and the norm weights'); launch_dependents right
-    after it; x's loads (and h's, the positions', the slots' and the rope table's) and every store
-    after them."""
+    """Before the wait the weight strip's loads only; launch_dependents right after it; x's loads (and
+    the positions', the slots' and the rope table's) and every store after them."""
     before, after = _around_the_wait(name)
     assert before and "ld.global" in after, (before, after)
-    if STRIP_KERNELS[name][0]["NORM"]:
-        plain_before, _ = _around_the_wait(name.replace("norm_", "") if "swiglu" in name else "strip_pow2")
-        assert len(before) > len(plain_before), (before, plain_before)
 
 
 @pytest.mark.parametrize("name", [*KERNELS, *SPLITK_KERNELS, *STRIP_KERNELS])

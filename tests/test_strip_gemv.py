@@ -113,45 +113,6 @@ def check_swiglu_equals_the_strip_then_swiglu() -> None:
         StripGemv(35, 64, StripConfig(), 1, epilogue=Epilogue.SWIGLU)
 
 
-def _norm_inputs(k: int, rows: int, dtype: torch.dtype, device: str, residual: bool):
-    """x, and an InputNorm with a residual h (or none) and norm weights of order 1, for K = k."""
-    from rlt_worker.kernels.strip_gemv import InputNorm
-
-    gen = torch.Generator().manual_seed(k * 7 + rows)
-    draw = functools.partial(torch.randn, generator=gen, dtype=torch.float64)
-    x, h, wa, wb = draw(rows, k), draw(rows, k) * 3, 1 + draw(k) / 4, 1 + draw(k) / 4
-    norm = InputNorm(h.to(device, dtype) if residual else None, wa.to(device, dtype) if residual else None,
-                     wb.to(device, dtype), 1e-6)
-    return x.to(device, dtype), norm
-
-
-def check_normed_equals_add_rmsnorm_then_the_strip() -> None:
-    """A strip with the norm prologue (plain and swiglu epilogues, with a residual and without): x' and
-    the output bit for bit fused_ops.add_rmsnorm's x' and the strip of its y, M = 1…3; the residual's
-    shape is checked, and K must be a power of two (the norm in one block)."""
-    from rlt_worker.kernels.fused_ops import add_rmsnorm
-    from rlt_worker.kernels.strip_gemv import Epilogue, StripConfig, StripGemv
-
-    for (n, k), cfg in zip([(48, 64), (40, 32)], [StripConfig(4, 4), StripConfig(2, 2)], strict=True):
-        for epilogue in (Epilogue.STORE, Epilogue.SWIGLU):
-            strip = StripGemv(n, k, cfg, 3, epilogue=epilogue)
-            w = _inputs(n, k, 1, torch.float32, "cpu")[1]
-            for rows, residual in ((1, True), (3, True), (2, False)):
-                x, norm = _norm_inputs(k, rows, torch.float32, "cpu", residual)
-                want_x, y = add_rmsnorm(x, *norm)
-                got_x, got = strip.normed(x, w, norm)
-                where = f"{n}×{k} {epilogue.name} M{rows} residual {residual}"
-                assert torch.equal(got_x, want_x) and torch.equal(got, strip(y, w)), where
-                assert residual or got_x is x, where
-    strip = StripGemv(48, 64, StripConfig(), 2)
-    x, norm = _norm_inputs(64, 2, torch.float32, "cpu", True)
-    with pytest.raises(ValueError, match="residual"):
-        strip.normed(x, torch.randn(48, 64), norm._replace(h=norm.h[:1]))
-    x, norm = _norm_inputs(65, 1, torch.float32, "cpu", False)
-    with pytest.raises(ValueError, match="power of two"):
-        StripGemv(48, 65, StripConfig(), 1).normed(x, torch.randn(48, 65), norm)
-
-
 def _rotary_case(heads: int, kv_heads: int, head_dim: int, k: int, dtype: torch.dtype, device: str, scale: float = 1.0):
     """A q|k|v weight, a rope over rows at positions around block boundaries, and noise caches."""
     from rlt_worker.kernels.fused_ops import rope_table
@@ -170,49 +131,46 @@ def _rotary_case(heads: int, kv_heads: int, head_dim: int, k: int, dtype: torch.
 
 
 def check_rotary_equals_the_strip_then_write_kv_rotary() -> None:
-    """A ROTARY_KV strip (q|k|v of 4+2×2 heads of 16, pairs of 1, 2 or 8 a program): q, x' and both
-    caches bit for bit the plain strip's q|k|v through fused_ops.write_kv_rotary (after add_rmsnorm
-    where a norm is given: K a power of two), K not one without a norm, M = 1…3; misuse refused."""
-    from rlt_worker.kernels.fused_ops import add_rmsnorm, write_kv_rotary
+    """A ROTARY_KV strip (q|k|v of 4+2×2 heads of 16, pairs of 1, 2 or 8 a program): q and both
+    caches bit for bit the plain strip's q|k|v through fused_ops.write_kv_rotary, K a power of two or
+    not, M = 1…3; misuse refused."""
+    from rlt_worker.kernels.fused_ops import write_kv_rotary
     from rlt_worker.kernels.strip_gemv import Epilogue, KVTarget, StripConfig, StripGemv
 
-    for k, block_n, norms in ((64, 1, (None, True, False)), (32, 8, (True,)), (65, 2, (None,)), (100, 8, (None,))):
+    for k, block_n in ((64, 1), (65, 2), (100, 8)):
         w, rope, slots, pool = _rotary_case(4, 2, 16, k, torch.float32, "cpu")
         n = w.shape[0]
         plain = StripGemv(n, k, StripConfig(4, 2), 3)
         fused = StripGemv(n, k, StripConfig(block_n, 2), 3, epilogue=Epilogue.ROTARY_KV, heads=(4, 2, 16))
-        for rows, residual in zip((1, 3, 2), norms, strict=False):
-            x, norm = _norm_inputs(k, rows, torch.float32, "cpu", bool(residual))
-            norm = None if residual is None else norm
+        for rows in (1, 3, 2):
+            x = _inputs(n, k, rows, torch.float32, "cpu")[0]
             sub = rope._replace(positions=rope.positions[:rows])
-            want_x, y = (x, x) if norm is None else add_rmsnorm(x, *norm)
             want_k, want_v = pool.clone().unbind(0)
-            want_q = write_kv_rotary(want_k, want_v, plain(y, w), sub, slots[:rows])
+            want_q = write_kv_rotary(want_k, want_v, plain(x, w), sub, slots[:rows])
             got_k, got_v = pool.clone().unbind(0)
-            got_x, got_q = fused.rotary(x, w, norm, sub, KVTarget(got_k, got_v, slots[:rows]))
-            where = f"K {k} N{block_n} M{rows} norm {residual}"
-            assert torch.equal(got_x, want_x) and torch.equal(got_q, want_q), where
+            got_q = fused.rotary(x, w, sub, KVTarget(got_k, got_v, slots[:rows]))
+            where = f"K {k} N{block_n} M{rows}"
+            assert torch.equal(got_q, want_q), where
             assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v), f"{where}: caches"
     x = torch.randn(1, w.shape[1])
     kc, vc = pool.clone().unbind(0)
     with pytest.raises(ValueError, match="rotary"):
         fused(x, w)
     with pytest.raises(ValueError, match="RoPE"):
-        fused.rotary(x, w, None, rope._replace(num_heads=2, positions=rope.positions[:1]), KVTarget(kc, vc, slots[:1]))
+        fused.rotary(x, w, rope._replace(num_heads=2, positions=rope.positions[:1]), KVTarget(kc, vc, slots[:1]))
     with pytest.raises(ValueError, match="do not fit"):
-        fused.rotary(x, w, None, rope._replace(positions=rope.positions[:1]), KVTarget(kc, vc, slots[:2]))
+        fused.rotary(x, w, rope._replace(positions=rope.positions[:1]), KVTarget(kc, vc, slots[:2]))
     for heads, cfg in (((4, 2, 16), StripConfig(16, 2)), ((4, 2, 8), StripConfig(1, 2)), (None, StripConfig(1, 2))):
         with pytest.raises(ValueError, match="q\\|k\\|v|heads"):
             StripGemv(128, 64, cfg, 1, epilogue=Epilogue.ROTARY_KV, heads=heads)
 
 
 def check_fused_loop_with_epilogue_strips() -> None:
-    """FusedOuroModel on toy-ouro (float32) with swiglu and rotary strips and the norms fused into them,
-    over a paged context one row a pass (a sequence's positions 0…4, 3 loops, each loop its own pool):
-    every state and both caches bit for bit those of the same model without epilogue strips (add_rmsnorm,
-    the strips, swiglu's and write_kv_rotary's launches), and within LOOP_TOL of OuroModel.loop; at 3 rows
-    a pass (above strip_max_rows) the composition runs. Without fuse_norms the strips run after
-    add_rmsnorm's launch, with the same bits."""
+    """FusedOuroModel on toy-ouro (float32) with swiglu and rotary strips, over a paged context one row
+    a pass (a sequence's positions 0…4, 3 loops, each loop its own pool): every state and both caches
+    bit for bit those of the same model without epilogue strips (the strips, then swiglu's and
+    write_kv_rotary's launches), and within LOOP_TOL of OuroModel.loop; at 3 rows a pass (above
+    strip_max_rows) the composition runs, with the same bits."""
     from test_fused_ops import LOOP_TOL
 
     from rlt_worker.kernels.strip_gemv import StripConfig
@@ -225,8 +183,7 @@ def check_fused_loop_with_epilogue_strips() -> None:
     epilogues = dict(strip_swiglu={(256, 64, torch.float32): StripConfig(4, 2)},
                      strip_rotary={(128, 64, torch.float32): StripConfig(2, 2)})
     models = {"composed": FusedOuroModel(reference, strip=_toy_strips()),
-              "fused": FusedOuroModel(reference, strip=_toy_strips(), fuse_norms=True, **epilogues),
-              "epilogues": FusedOuroModel(reference, strip=_toy_strips(), fuse_norms=False, **epilogues)}
+              "fused": FusedOuroModel(reference, strip=_toy_strips(), **epilogues)}
     assert list(models["fused"]._qkv_attention.strips) == [(128, 64, torch.float32)]
     info, block_size = reference.info, 4
     tokens = torch.randint(0, 256, (5,), generator=torch.Generator().manual_seed(5))
@@ -250,10 +207,9 @@ def check_fused_loop_with_epilogue_strips() -> None:
     with torch.inference_mode():
         want_states, want_pools = run(models["composed"], 1)
         ref_states, _ = run(reference, 1)
-        for name in ("fused", "epilogues"):
-            states, pools = run(models[name], 1)
-            assert all(torch.equal(a, b) for a, b in zip(states, want_states, strict=True)), f"{name}: states"
-            assert all(torch.equal(a, b) for a, b in zip(pools, want_pools, strict=True)), f"{name}: caches"
+        states, pools = run(models["fused"], 1)
+        assert all(torch.equal(a, b) for a, b in zip(states, want_states, strict=True)), "states"
+        assert all(torch.equal(a, b) for a, b in zip(pools, want_pools, strict=True)), "caches"
         for got, want in zip(want_states, ref_states, strict=True):
             torch.testing.assert_close(got, want, **LOOP_TOL[torch.float32])
         wide, _ = run(models["fused"], 3)
@@ -328,7 +284,6 @@ INTERP_CASES: dict[str, Callable[[], None]] = {
     "swiglu-strip": check_swiglu_equals_the_strip_then_swiglu,
     "fused-loop-swiglu": check_fused_loop_with_swiglu_strips,
     "bench-chain": check_bench_chain,
-    "normed-strip": check_normed_equals_add_rmsnorm_then_the_strip,
     "rotary-strip": check_rotary_equals_the_strip_then_write_kv_rotary,
     "fused-loop-epilogues": check_fused_loop_with_epilogue_strips,
 }
@@ -432,47 +387,40 @@ def test_gpu_swiglu_strip_equals_the_strip_then_swiglu(dtype: torch.dtype) -> No
 @pytest.mark.gpu
 @interp.needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_epilogue_strips_with_norms_match_their_composition(dtype: torch.dtype) -> None:
-    """Ouro-1.4B's q|k|v (RoPE and the K/V write, 16 + 2×16 heads of 128) and gate|up (SwiGLU) strips
-    with the add + RMSNorm prologue: x', q, the caches and the activation within the dtype's tolerance
-    of add_rmsnorm, the plain strip and write_kv_rotary / swiglu (the norm's sum of squares reduces in
-    another order); the same bits from a CUDA graph with PDL launches as eagerly with plain ones."""
-    from rlt_worker.kernels.fused_ops import add_rmsnorm, swiglu, write_kv_rotary
+def test_gpu_rotary_strip_matches_the_strip_then_write_kv_rotary(dtype: torch.dtype) -> None:
+    """Ouro-1.4B's q|k|v (16 + 2×16 heads of 128) with RoPE and the K/V write: q and the caches within
+    the dtype's tolerance of the plain strip through write_kv_rotary (the two strips reduce in their
+    own orders); the same bits from a CUDA graph with PDL launches as eagerly with plain ones."""
+    from rlt_worker.kernels.fused_ops import write_kv_rotary
     from rlt_worker.kernels.launch import PLAIN, KernelLaunch
     from rlt_worker.kernels.strip_gemv import Epilogue, KVTarget, StripConfig, StripGemv
 
     tol = HALF.get(dtype) or F32
     pdl = KernelLaunch.for_device(True, torch.device("cuda"))
-    w_qkv, rope, slots, pool = _rotary_case(16, 16, 128, 2048, dtype, "cuda", scale=2048**-0.5)
-    w_gu = _inputs(11264, 2048, 1, dtype, "cuda")[1] * 2048**-0.5
-    x, norm = _norm_inputs(2048, 1, dtype, "cuda", True)
+    w, rope, slots, pool = _rotary_case(16, 16, 128, 2048, dtype, "cuda", scale=2048**-0.5)
+    x = _inputs(6144, 2048, 1, dtype, "cuda")[0]
     rope, slots = rope._replace(positions=rope.positions[:1]), slots[:1]
-    want_x, y = add_rmsnorm(x, *norm)
     want_k, want_v = pool.clone().unbind(0)
-    want_q = write_kv_rotary(want_k, want_v, StripGemv(6144, 2048, StripConfig(2, 4), 1)(y, w_qkv), rope, slots)
-    want_act = swiglu(StripGemv(11264, 2048, StripConfig(4, 4), 1)(y, w_gu))
+    want_q = write_kv_rotary(want_k, want_v, StripGemv(6144, 2048, StripConfig(2, 4), 1)(x, w), rope, slots)
 
-    def fused(launch: KernelLaunch, k_cache: torch.Tensor, v_cache: torch.Tensor):
-        qkv = StripGemv(6144, 2048, StripConfig(1, 4), 1, launch, Epilogue.ROTARY_KV, (16, 16, 128))
-        gate_up = StripGemv(11264, 2048, StripConfig(2, 4), 1, launch, Epilogue.SWIGLU)
-        x_out, q = qkv.rotary(x, w_qkv, norm, rope, KVTarget(k_cache, v_cache, slots))
-        return x_out, q, gate_up.normed(x, w_gu, norm)[1]
+    def fused(launch: KernelLaunch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        strip = StripGemv(6144, 2048, StripConfig(1, 4), 1, launch, Epilogue.ROTARY_KV, (16, 16, 128))
+        return strip.rotary(x, w, rope, KVTarget(k_cache, v_cache, slots))
 
     got_k, got_v = pool.clone().unbind(0)
     eager = fused(PLAIN, got_k, got_v)
-    for name, got, want in zip(("x'", "q", "act"), eager, (want_x, want_q, want_act), strict=True):
+    for name, got, want in (("q", eager, want_q), ("k", got_k, want_k), ("v", got_v, want_v)):
         torch.testing.assert_close(got, want, **tol, msg=lambda e, name=name: f"{name}: {e}")
-    torch.testing.assert_close(got_k, want_k, **tol)
-    torch.testing.assert_close(got_v, want_v, **tol)
     graph_k, graph_v = pool.clone().unbind(0)
     fused(pdl, graph_k, graph_v)  # compiled before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = fused(pdl, graph_k, graph_v)
     graph_k.copy_(pool[0])
+    graph_v.copy_(pool[1])
     graph.replay()
-    assert all(torch.equal(a, b) for a, b in zip(captured, eager, strict=True))
-    assert torch.equal(graph_k, got_k) and torch.equal(graph_v, got_v)
+    assert torch.equal(captured, eager) and torch.equal(graph_k, got_k) and torch.equal(graph_v, got_v)
+
 
 @pytest.mark.gpu
 @interp.needs_cuda

@@ -53,27 +53,6 @@ __all__ = ["add_rmsnorm", "check_rotary_targets", "rope_qk", "rope_table", "swig
 SWIGLU_BLOCK = 1024  # columns per SwiGLU program
 
 
-def _rms_rsqrt(sum_sq, n_cols, inv_n, eps, F64: tl.constexpr, LIBDEVICE: tl.constexpr):
-    """1 / sqrt(mean of squares + eps) from the sum of squares: fp64 by division, fp32 by rsqrtf."""
-    if F64:
-        return 1.0 / tl.sqrt(sum_sq / n_cols + eps)
-    elif LIBDEVICE:
-        return libdevice.rsqrt(sum_sq * inv_n + eps)
-    else:
-        return tl.math.rsqrt(sum_sq * inv_n + eps)
-
-
-def _rms_weighted(v, r, w):
-    """w·norm(v) for v in the compute dtype: v·r rounded to w's dtype, times w, rounded again."""
-    return (w.to(v.dtype) * (v * r).to(w.dtype).to(v.dtype)).to(w.dtype)
-
-
-# The norm's steps as device functions, shared with the strip GEMV's norm prologue. Jitted at import,
-# in the mode Triton is in then (tests/interp.py: an interpreter process sets TRITON_INTERPRET first).
-rms_rsqrt = triton.jit(_rms_rsqrt) if triton is not None else None
-rms_weighted = triton.jit(_rms_weighted) if triton is not None else None
-
-
 def _add_rmsnorm_kernel(
     x_ptr, h_ptr, wa_ptr, wb_ptr, x_out_ptr, y_ptr, eps_ptr,
     stride_x, stride_h, stride_xo, stride_y,
@@ -99,11 +78,23 @@ def _add_rmsnorm_kernel(
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     if HAS_RESIDUAL:
         h = tl.load(h_ptr + row * stride_h + cols, mask=ok, other=0.0).to(cdt)
-        a = rms_weighted(h, rms_rsqrt(tl.sum(h * h, axis=0), n_cols, inv_n, eps, F64, LIBDEVICE), wa)
+        if F64:
+            r = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / n_cols + eps)
+        elif LIBDEVICE:
+            r = libdevice.rsqrt(tl.sum(h * h, axis=0) * inv_n + eps)
+        else:
+            r = tl.math.rsqrt(tl.sum(h * h, axis=0) * inv_n + eps)
+        a = (wa.to(cdt) * (h * r).to(dtype).to(cdt)).to(dtype)
         x = (x.to(cdt) + a.to(cdt)).to(dtype)
         tl.store(x_out_ptr + row * stride_xo + cols, x, mask=ok)
     xc = x.to(cdt)
-    y = rms_weighted(xc, rms_rsqrt(tl.sum(xc * xc, axis=0), n_cols, inv_n, eps, F64, LIBDEVICE), wb)
+    if F64:
+        r = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / n_cols + eps)
+    elif LIBDEVICE:
+        r = libdevice.rsqrt(tl.sum(xc * xc, axis=0) * inv_n + eps)
+    else:
+        r = tl.math.rsqrt(tl.sum(xc * xc, axis=0) * inv_n + eps)
+    y = (wb.to(cdt) * (xc * r).to(dtype).to(cdt)).to(dtype)
     tl.store(y_ptr + row * stride_y + cols, y, mask=ok)
 
 

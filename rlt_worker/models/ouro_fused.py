@@ -54,7 +54,7 @@ from rlt_worker.attention.triton_backend import _interpreting
 from rlt_worker.kernels.fused_ops import add_rmsnorm, rope_qk, rope_table, swiglu
 from rlt_worker.kernels.launch import PLAIN, KernelLaunch
 from rlt_worker.kernels.splitk_gemv import SUPPORTED_DTYPES, SplitKConfig, SplitKGemv
-from rlt_worker.kernels.strip_gemv import Epilogue, InputNorm, KVTarget, StripConfig, StripGemv
+from rlt_worker.kernels.strip_gemv import Epilogue, KVTarget, StripConfig, StripGemv
 
 from .base import AttentionContext, LayerId, LoopedModel, Rotary, RotaryAttentionContext, WritingAttentionContext
 from .ouro import OuroDecoderLayer, OuroModel
@@ -88,11 +88,8 @@ STRIP_SWIGLU_SETTINGS: Mapping[WeightKey, StripConfig] = {}
 # Strips of q|k|v that also rotate q and k and store k and v into the paged caches (one launch for
 # y·W_qkvᵀ and write_kv_rotary), for passes of at most STRIP_MAX_ROWS rows; StripConfig(1, 4) holds
 # one pair of rows (dimensions i and i + Dh/2 of a head) a program, the registers of q|k|v's N2 w4.
-# Empty, so off until timed on the H200 (scripts/profile_decode_pass.py --fused-strips).
+# Empty, so off until timed on the H200 (scripts/profile_decode_pass.py --epilogue-paths).
 STRIP_ROTARY_SETTINGS: Mapping[WeightKey, StripConfig] = {}
-# Whether the add + RMSNorm before q|k|v and gate|up runs in their epilogue strips' prologue (each
-# program normalizes the row itself; program 0 stores x'), where those strips run. Off until timed.
-FUSE_NORMS = False
 
 
 class PackedLayer(NamedTuple):
@@ -145,8 +142,7 @@ class FusedOuroModel(LoopedModel):
                  strip: Mapping[WeightKey, StripConfig] = STRIP_SETTINGS,
                  strip_max_rows: int = STRIP_MAX_ROWS,
                  strip_swiglu: Mapping[WeightKey, StripConfig] = STRIP_SWIGLU_SETTINGS,
-                 strip_rotary: Mapping[WeightKey, StripConfig] = STRIP_ROTARY_SETTINGS,
-                 fuse_norms: bool = FUSE_NORMS) -> None:
+                 strip_rotary: Mapping[WeightKey, StripConfig] = STRIP_ROTARY_SETTINGS) -> None:
         super().__init__()
         self.reference = reference
         self.config = reference.config
@@ -160,7 +156,7 @@ class FusedOuroModel(LoopedModel):
         # PDL only for the passes with no cuBLAS kernel, the rows every weight has a Triton GEMV for
         # (kernels/launch.py: with cuBLAS between them it measured slower).
         self.launch = launch.bounded(triton_rows(self._linear, weights))
-        strips = EpilogueStrips(strip_max_rows, self.launch, fuse_norms, self._eps)
+        strips = EpilogueStrips(strip_max_rows, self.launch)
         self._gate_up_swiglu = GateUpSwiGLU(self._linear, strips.built([w.gate_up for w in self._layers],
                                                                        strip_swiglu, Epilogue.SWIGLU), strips)
         heads = (self._heads, self._kv_heads, self._head_dim)
@@ -184,16 +180,16 @@ class FusedOuroModel(LoopedModel):
         self, state: torch.Tensor, embedded: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         """All L decoder layers then `model.norm`, through the fused kernels."""
-        n, eps, layers, linear = state.shape[0], self._eps, self._layers, self._linear
+        n, eps, launch, layers, linear = state.shape[0], self._eps, self.launch, self._layers, self._linear
         rope = Rotary(positions, self._cos, self._sin, self._heads, self._kv_heads, self._head_dim)
-        x, norm = state, InputNorm(None, None, layers[0].input_norm, eps)
+        x, y = add_rmsnorm(state, None, None, layers[0].input_norm, eps, launch=launch)
         for i, w in enumerate(layers):
-            x, attn = self._qkv_attention(ctx, w.layer, x, norm, w.qkv, rope)
-            x, act = self._gate_up_swiglu(x, InputNorm(linear(attn.reshape(n, -1), w.o), w.input_norm_2,
-                                                       w.post_norm, eps), w.gate_up)
+            attn = self._qkv_attention(ctx, w.layer, y, w.qkv, rope).reshape(n, -1)
+            x, y = add_rmsnorm(x, linear(attn, w.o), w.input_norm_2, w.post_norm, eps, launch=launch)
+            mlp = linear(self._gate_up_swiglu(y, w.gate_up), w.down)
             closing = layers[i + 1].input_norm if i + 1 < len(layers) else self._final_norm
-            norm = InputNorm(linear(act, w.down), w.post_norm_2, closing, eps)
-        return add_rmsnorm(x, *norm, launch=self.launch)[1]
+            x, y = add_rmsnorm(x, mlp, w.post_norm_2, closing, eps, launch=launch)
+        return y
 
     def exit_gate(self, state: torch.Tensor) -> torch.Tensor:
         """The reference's gate."""
@@ -273,11 +269,10 @@ def linear_choice(weights: list[torch.Tensor], tiers: list[Tier], launch: Kernel
 
 
 class EpilogueStrips:
-    """What the epilogue strategies share: their row bound and launch, and the input norm, fused into
-    the strip (fuse_norms) or add_rmsnorm's launch before it."""
+    """What the epilogue strategies share: the row bound and launch of their strips."""
 
-    def __init__(self, max_rows: int, launch: KernelLaunch, fuse_norms: bool, eps: float) -> None:
-        self.max_rows, self.launch, self.fuse_norms, self.eps = max_rows, launch, fuse_norms, eps
+    def __init__(self, max_rows: int, launch: KernelLaunch) -> None:
+        self.max_rows, self.launch = max_rows, launch
 
     def built(self, weights: list[torch.Tensor], settings: Mapping[WeightKey, StripConfig], epilogue: Epilogue,
               heads: tuple[int, int, int] | None = None) -> dict[WeightKey, StripGemv]:
@@ -293,61 +288,40 @@ class EpilogueStrips:
         """The strip for this weight at x's rows, if any."""
         return strips.get((*weight.shape, weight.dtype)) if x.shape[0] <= self.max_rows else None
 
-    def norm(self, x: torch.Tensor, norm: InputNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x', y) of add_rmsnorm's launch."""
-        return add_rmsnorm(x, *norm, launch=self.launch)
-
 
 class GateUpSwiGLU:
-    """(x', swiglu(y·W_gate_upᵀ)) with (x', y) the input norm: one strip launch with SwiGLU (and the
-    norm, fuse_norms) for passes of at most max_rows rows whose gate|up weight has a strip; else
-    add_rmsnorm, the linear strategy's GEMM and swiglu's launch (the same arithmetic)."""
+    """swiglu(x·W_gate_upᵀ): one strip launch with SwiGLU for passes of at most max_rows rows whose
+    gate|up weight has a strip, else the linear strategy's GEMM then swiglu's launch (the same bits)."""
 
     def __init__(self, linear: Linear, strips: dict[WeightKey, StripGemv], shared: EpilogueStrips) -> None:
         self._linear, self.strips, self._shared = linear, strips, shared
 
-    def __call__(self, x: torch.Tensor, norm: InputNorm, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        shared = self._shared
-        strip = shared.find(self.strips, x, gate_up)
-        if strip is not None and shared.fuse_norms:
-            return strip.normed(x, gate_up, norm)
-        x, y = shared.norm(x, norm)
+    def __call__(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+        strip = self._shared.find(self.strips, x, gate_up)
         if strip is not None:
-            return x, strip(y, gate_up)
-        return x, swiglu(self._linear(y, gate_up), launch=shared.launch)
+            return strip(x, gate_up)
+        return swiglu(self._linear(x, gate_up), launch=self._shared.launch)
 
 
 class QkvAttention:
-    """(x', attention) of a layer, with (x', y) the input norm and q|k|v = y·W_qkvᵀ rotated and written:
-    one strip launch for the GEMV, RoPE and the K/V write (and the norm, fuse_norms) for passes of at
-    most max_rows rows whose q|k|v weight has a strip, over a context that takes such a write
-    (WritingAttentionContext); else add_rmsnorm, the linear strategy's GEMM and the context's
-    attend_rotary (or rope_then_attend). Then the context's attention."""
+    """The attention of x·W_qkvᵀ's q|k|v, rotated, its k and v written: for passes of at most max_rows
+    rows whose q|k|v weight has a strip, over a context that takes a fused write
+    (WritingAttentionContext), one strip launch for the GEMV, RoPE and the K/V write; else the linear
+    strategy's GEMM and the context's attend_rotary (or rope_then_attend). The same bits under the
+    interpreter; on CUDA the strip reduces in its own order (a layout of its own)."""
 
     def __init__(self, linear: Linear, strips: dict[WeightKey, StripGemv], shared: EpilogueStrips) -> None:
         self._linear, self.strips, self._shared = linear, strips, shared
 
-    def __call__(self, ctx: AttentionContext, layer: LayerId, x: torch.Tensor, norm: InputNorm, qkv: torch.Tensor,
-                 rope: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
-        shared = self._shared
-        strip = shared.find(self.strips, x, qkv) if isinstance(ctx, WritingAttentionContext) else None
-        if strip is not None and shared.fuse_norms:
-            residual: list[torch.Tensor] = []
-
-            def write_qkv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-                x_out, q = strip.rotary(x, qkv, norm, rope, KVTarget(k_cache, v_cache, slots))
-                residual.append(x_out)
-                return q
-
-            attn = ctx.attend_writing(layer, write_qkv)
-            return residual[0], attn
-        x, y = shared.norm(x, norm)
+    def __call__(self, ctx: AttentionContext, layer: LayerId, x: torch.Tensor, qkv: torch.Tensor,
+                 rope: Rotary) -> torch.Tensor:
+        strip = self._shared.find(self.strips, x, qkv) if isinstance(ctx, WritingAttentionContext) else None
         if strip is not None:
-            return x, ctx.attend_writing(layer, lambda k_cache, v_cache, slots: strip.rotary(
-                y, qkv, None, rope, KVTarget(k_cache, v_cache, slots))[1])
+            return ctx.attend_writing(layer, lambda k_cache, v_cache, slots: strip.rotary(
+                x, qkv, rope, KVTarget(k_cache, v_cache, slots)))
         if isinstance(ctx, RotaryAttentionContext):
-            return x, ctx.attend_rotary(layer, self._linear(y, qkv), rope)
-        return x, rope_then_attend(ctx, layer, self._linear(y, qkv), rope)
+            return ctx.attend_rotary(layer, self._linear(x, qkv), rope)
+        return rope_then_attend(ctx, layer, self._linear(x, qkv), rope)
 
 
 def triton_rows(linear: Linear, weights: list[torch.Tensor]) -> int:
