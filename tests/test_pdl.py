@@ -217,7 +217,16 @@ def test_pdl_splitk_gemv_loads_only_its_first_weight_tile_before_the_wait(compil
 @pytest.mark.parametrize("name", list(STRIP_KERNELS))
 def test_pdl_strip_gemv_loads_its_whole_strip_before_the_wait(compiled: None, name: str) -> None:
     """Before the wait the weight strip's loads only; launch_dependents right after it; x's loads (and
-    the positions', the slots' and the rope table's) and every store after them."""
+    the positions', the slots' and the rope table's) and every store after them. The rotary strip
+    (its successor: the attention) launches its dependents last, after its stores."""
+    if STRIP_KERNELS[name][0]["ROTARY"]:
+        ops, launch_pdl = _ptx_memory_ops(name, pdl=True)
+        assert launch_pdl is True and ops.count("griddepcontrol.wait") == 1, ops
+        assert ops[-1] == "griddepcontrol.launch_dependents" and ops.count(ops[-1]) == 1, ops
+        before, after = ops[: ops.index("griddepcontrol.wait")], ops[ops.index("griddepcontrol.wait") + 1 :]
+        assert before and all(op == "ld.global" for op in before), before
+        assert "st.global" in after and "ld.global" in after, after
+        return
     before, after = _around_the_wait(name)
     assert before and "ld.global" in after, (before, after)
 

@@ -308,10 +308,11 @@ def test_split_k_is_the_largest_power_of_two_and_the_padded_rest() -> None:
 
 def test_default_strips_cover_ouro_1_4b_in_every_supported_dtype_and_a_plain_cpu_keeps_torch() -> None:
     from rlt_worker.kernels.strip_gemv import SUPPORTED_DTYPES
-    from rlt_worker.models.ouro_fused import STRIP_MAX_ROWS, STRIP_SETTINGS, FusedOuroModel
+    from rlt_worker.models.ouro_fused import STRIP_MAX_ROWS, STRIP_SETTINGS, STRIP_SWIGLU_SETTINGS, FusedOuroModel
 
     shapes = {(6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632)}
     assert set(STRIP_SETTINGS) == {(*s, d) for s in shapes for d in SUPPORTED_DTYPES}
+    assert set(STRIP_SWIGLU_SETTINGS) == {(11264, 2048, d) for d in SUPPORTED_DTYPES}  # gate|up
     assert STRIP_MAX_ROWS >= 1
     if tb._interpreting():
         pytest.skip("TRITON_INTERPRET is set in this process")

@@ -79,16 +79,18 @@ STRIP_SETTINGS: Mapping[WeightKey, StripConfig] = {
     (*shape, dtype): config for shape, config in _OURO_1_4B_STRIPS.items() for dtype in SUPPORTED_DTYPES}
 # Passes of at most this many rows use the strip settings: each further row re-reduces the strip.
 STRIP_MAX_ROWS = 1
-# Strips that also apply SwiGLU (gate|up weights only: the gate rows of their columns and the up rows
-# below them, one launch for y·W_gate_upᵀ and swiglu), for passes of at most STRIP_MAX_ROWS rows.
-# Empty, so off: bit-equal to the strip then swiglu's launch under the interpreter, not yet timed on
-# the H200. To measure: scripts/profile_decode_pass.py --epilogue-paths (StripConfig(2, 4) holds 2 gate
-# and 2 up rows a program, the registers of the gate|up strip's N4 w4).
-STRIP_SWIGLU_SETTINGS: Mapping[WeightKey, StripConfig] = {}
+# Strips that also apply SwiGLU (gate|up weights only: each program the gate rows of its columns and
+# the up rows below them, one launch for y·W_gate_upᵀ and swiglu), for passes of at most
+# STRIP_MAX_ROWS rows: Ouro-1.4B's gate|up with StripConfig(2, 4) (2 gate and 2 up rows a program, the
+# registers of the plain strip's N4 w4). A 1-row pass on the H200: 1.064 ms against 1.103 with swiglu's
+# launch, the same bits (scripts/profile_decode_pass.py --epilogue-paths; docs/benchmarks.md).
+STRIP_SWIGLU_SETTINGS: Mapping[WeightKey, StripConfig] = {
+    (11264, 2048, dtype): StripConfig(2, 4) for dtype in SUPPORTED_DTYPES}
 # Strips of q|k|v that also rotate q and k and store k and v into the paged caches (one launch for
 # y·W_qkvᵀ and write_kv_rotary), for passes of at most STRIP_MAX_ROWS rows; StripConfig(1, 4) holds
 # one pair of rows (dimensions i and i + Dh/2 of a head) a program, the registers of q|k|v's N2 w4.
-# Empty, so off until timed on the H200 (scripts/profile_decode_pass.py --epilogue-paths).
+# Empty, so off: with the attention launched right after the strip's wait, the 1-row pass took
+# 1.109 ms against 1.064 (docs/benchmarks.md); to time: scripts/profile_decode_pass.py --epilogue-paths.
 STRIP_ROTARY_SETTINGS: Mapping[WeightKey, StripConfig] = {}
 
 
