@@ -22,10 +22,24 @@ that row of x alone, so row r of gemv(x) is bit-equal, for every M ≤ max_rows,
 and to itself across runs and graph replays. It is not bit-equal to cuBLAS: within fp32 rounding
 of the exact product, then one rounding to the output dtype.
 
+Epilogues (`Epilogue`, fixed at construction). STORE stores y. The paired ones give each unit u of
+a program a partner row GROUP below its own, loaded with it as one interleaved strip [2·BLOCK_N, K]
+and reduced once, then split into the unit's two dots (rounded to the dtype, as the GEMV would
+store them):
+    SWIGLU      W = gate|up [2I, K], GROUP = I: y[m, u] = silu(gate)·up, fused_ops.swiglu's rounding
+    ROTARY_KV   W = q|k|v [(Hq + 2·Hkv)·Dh, K], GROUP = Dh/2, unit u = dimension i = u mod Dh/2 of head
+                u div (Dh/2): q and k heads rotated (fused_ops._rope_qk_kernel's rounding, the rope
+                table at the row's position), q stored into y [M, Hq·Dh], k and v (as it is) into the
+                paged caches at the row's slot: fused_ops.write_kv_rotary's stores
+Under the interpreter both are bit for bit the STORE strip followed by the launch they replace.
+
 PDL (`launch=`, kernels/launch.py). The strip is the model's weight, which no kernel writes, so it
 is loaded before gdc_wait: launched with PDL, a GEMV's whole read is in flight while its
-predecessor drains. x's loads and y's stores come after the wait, then gdc_launch_dependents (the
-store rule of launch.py). PDL on and off run the same instructions on the same values: the same bits.
+predecessor drains. x's (and the positions', slots' and rope table's) loads and every store come
+after the wait (the store rule of launch.py), then gdc_launch_dependents — except ROTARY_KV, whose
+successor is the attention: it launches its dependents after its stores, since waiting attention
+programs hold shared memory and would thin the strip's later waves. PDL on and off run the same
+instructions on the same values: the same bits.
 """
 
 from __future__ import annotations

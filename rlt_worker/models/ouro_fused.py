@@ -30,9 +30,12 @@ settings by weight (out, in, dtype):
   - `splitk` (≤ `splitk_max_rows` rows): SplitKGemv (rlt_worker/kernels/splitk_gemv.py).
     SPLITK_SETTINGS, the default, is empty: on the H200 sweep (`scripts/bench_linear.py --sweep`)
     only `down` beat cuBLAS alone, and the pass was slower with it.
-gate|up and SwiGLU go through a second strategy (`GateUpSwiGLU`): a strip that also applies SwiGLU
-(`strip_swiglu`, ≤ `strip_max_rows` rows; STRIP_SWIGLU_SETTINGS is empty, so off until timed), else
-the linear strategy's GEMM and swiglu's launch.
+gate|up and SwiGLU go through a second strategy (`GateUpSwiGLU`): a strip with the SwiGLU epilogue
+(≤ `strip_max_rows` rows; STRIP_SWIGLU_SETTINGS: Ouro-1.4B's gate|up), else the linear strategy's GEMM
+and swiglu's launch. q|k|v and the attention go through a third (`QkvAttention`): over a
+WritingAttentionContext, a strip that also rotates q and k and writes k and v into the paged caches
+(`ctx.attend_writing`; STRIP_ROTARY_SETTINGS is empty, so off: it measured slower), else the GEMM and
+the context's attend_rotary.
 
 The kernels round as the torch modules do (rlt_worker/kernels/fused_ops.py), but the mean of
 squares and the packed GEMMs reduce in other orders, so results equal the reference's up to the
