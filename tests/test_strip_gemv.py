@@ -242,6 +242,24 @@ def check_fused_loop() -> None:
     assert FusedOuroModel(f64, strip=_toy_strips())._linear is F.linear
 
 
+def check_lm_head_strip() -> None:
+    """A strip setting for the head's shape (toy-ouro's 264×64): one row through the strip (within fp32
+    tolerance of the reference's F.linear), 3 rows through F.linear itself."""
+    from rlt_worker.kernels.strip_gemv import StripConfig
+    from rlt_worker.models.loader import load_model
+    from rlt_worker.models.ouro_fused import FusedOuroModel, RowBoundLinear
+
+    reference = load_model("toy-ouro", dtype=torch.float32, device="cpu")
+    fused = FusedOuroModel(reference, strip={(264, 64, torch.float32): StripConfig(4, 2)}, strip_max_rows=1)
+    assert isinstance(fused._head_linear, RowBoundLinear)
+    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        want = reference.lm_head(hidden)
+        torch.testing.assert_close(fused.lm_head(hidden[:1]), want[:1], **F32)
+        assert torch.equal(fused.lm_head(hidden), want)
+    assert FusedOuroModel(reference)._head_linear is F.linear  # no setting for its shape
+
+
 def check_fused_loop_with_swiglu_strips() -> None:
     """The same with swiglu strips on toy-ouro's gate|up (256×64) as well: the loop equals the torch loop
     at 1 row (the swiglu strip) and at 3 (the GEMM, then swiglu's launch)."""
@@ -281,6 +299,7 @@ INTERP_CASES: dict[str, Callable[[], None]] = {
        for c in CONFIGS[:2]},
     "rejects": check_rejects,
     "fused-loop": check_fused_loop,
+    "lm-head-strip": check_lm_head_strip,
     "swiglu-strip": check_swiglu_equals_the_strip_then_swiglu,
     "fused-loop-swiglu": check_fused_loop_with_swiglu_strips,
     "bench-chain": check_bench_chain,
@@ -310,7 +329,7 @@ def test_default_strips_cover_ouro_1_4b_in_every_supported_dtype_and_a_plain_cpu
     from rlt_worker.kernels.strip_gemv import SUPPORTED_DTYPES
     from rlt_worker.models.ouro_fused import STRIP_MAX_ROWS, STRIP_SETTINGS, STRIP_SWIGLU_SETTINGS, FusedOuroModel
 
-    shapes = {(6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632)}
+    shapes = {(6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632), (49152, 2048)}  # + the LM head
     assert set(STRIP_SETTINGS) == {(*s, d) for s in shapes for d in SUPPORTED_DTYPES}
     assert set(STRIP_SWIGLU_SETTINGS) == {(11264, 2048, d) for d in SUPPORTED_DTYPES}  # gate|up
     assert STRIP_MAX_ROWS >= 1

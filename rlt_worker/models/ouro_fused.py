@@ -60,6 +60,7 @@ from rlt_worker.kernels.splitk_gemv import SUPPORTED_DTYPES, SplitKConfig, Split
 from rlt_worker.kernels.strip_gemv import Epilogue, KVTarget, StripConfig, StripGemv
 
 from .base import AttentionContext, LayerId, LoopedModel, Rotary, RotaryAttentionContext, WritingAttentionContext
+from .layers import head_weight
 from .ouro import OuroDecoderLayer, OuroModel
 
 log = logging.getLogger("rlt.worker")
@@ -76,8 +77,11 @@ SPLITK_MAX_ROWS = 8
 # Strip settings by weight: Ouro-1.4B's packed q|k|v, o, gate|up and down, the fastest of
 # scripts/bench_gemv_chain.py's candidates at one row on one H200 (docs/benchmarks.md), for every
 # dtype the kernel takes (float32: the benchmark's gate runs the same kernels).
+# The LM head's (49152 × 2048) takes gate|up's setting: the CODA of one row reads its 201 MB once a token
+# (and once a pass under device refill).
 _OURO_1_4B_STRIPS = {(6144, 2048): StripConfig(2, 4), (2048, 2048): StripConfig(4, 4),
-                     (11264, 2048): StripConfig(4, 4), (2048, 5632): StripConfig(1, 4)}
+                     (11264, 2048): StripConfig(4, 4), (2048, 5632): StripConfig(1, 4),
+                     (49152, 2048): StripConfig(4, 4)}
 STRIP_SETTINGS: Mapping[WeightKey, StripConfig] = {
     (*shape, dtype): config for shape, config in _OURO_1_4B_STRIPS.items() for dtype in SUPPORTED_DTYPES}
 # Passes of at most this many rows use the strip settings: each further row re-reduces the strip.
@@ -167,6 +171,8 @@ class FusedOuroModel(LoopedModel):
         heads = (self._heads, self._kv_heads, self._head_dim)
         self._qkv_attention = QkvAttention(self._linear, strips.built([w.qkv for w in self._layers], strip_rotary,
                                                                       Epilogue.ROTARY_KV, heads), strips)
+        self._head = head_weight(reference, reference.model.embed_tokens.weight)
+        self._head_linear = linear_choice([self._head], [(strip_max_rows, strip)], self.launch)
         self._final_norm = reference.model.norm.weight.detach()  # a plain tensor: not a parameter of this module
         weight = self._final_norm
         # Every position the model supports, as split_half_cos_sin computes it (fp32, then cast).
@@ -205,8 +211,9 @@ class FusedOuroModel(LoopedModel):
         return self.reference.coda(state, positions, ctx)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The reference's head."""
-        return self.reference.lm_head(hidden)
+        """The reference's head weight through the strips' tier (one row: a strip; else F.linear, the
+        reference's)."""
+        return self._head_linear(hidden, self._head)
 
     def kernel_launch(self, requested: KernelLaunch) -> KernelLaunch:
         """This model's launch: the one it was built with, PDL bounded to its all-Triton passes."""
