@@ -18,7 +18,9 @@ the flags is decided by masks on the device instead. One pass, captured as one C
     → "any row running" into a static flag
 
     host, per pass   one replay, and a copy of the flag to pinned memory; before pass p it waits
-                     for pass p − LEAD's flag (LEAD passes stay queued) and stops when none runs
+                     for pass p − LEAD's flag (LEAD passes stay queued) and stops when none runs;
+                     over the plan's last TAIL passes it waits for none (reads only flags landed),
+                     so LEAD + TAIL passes stay queued while the engine builds the next plan
     host, per plan   one upload (the rows' columns), one copy out (every output, where each row
                      stopped), waited for only when the result is built or the host's cursors are
                      needed (DecodeLoop's landing)
@@ -77,6 +79,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("rlt.worker")
 
 LEAD = 2  # passes queued ahead of the one whose "any row running" flag the host waits for
+# A plan's last passes, replayed without waiting for a flag: LEAD + TAIL passes stay queued when the
+# plan's host work ends, to cover the engine's and the worker's work until the next plan's first
+# replay, as a planned plan's passes (all queued) do. With LEAD alone, H200, c = 1, ~1.1-ms passes,
+# the GPU drained at every plan boundary (docs/benchmarks.md, the profile at 3012fa6: 32 gaps of
+# 0.53 ms before a plan's first pass). Costs at most LEAD + TAIL − 1 passes with no row running when
+# every row stops in them (a request's last plan at c = 1); the tokens are the same.
+TAIL = 2
 MAX_PASSES = 64  # outputs a row may record in one plan (the buffers' width; loops_per_plan is 4·D by default)
 # Rows of RefillBuffers.columns (int64 [COLUMNS, R]); RUNNING and FINISHED hold 0 or 1.
 SLOTS, POSITIONS, DEPTHS, INDICES, LAST, COVERED, RUNNING, FINISHED, SEEDS, COUNT = range(10)
@@ -382,7 +391,7 @@ class DeviceRefill:
         alive: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
         runner, bucket = self.runner, self.buffers.columns.shape[1]
         for p in range(self.max_passes):
-            if p >= LEAD and not self._still_running(*alive[p - LEAD]):
+            if p >= LEAD and not self._may_run(*alive[p - LEAD], waits=p < self.max_passes - TAIL):
                 break
             if runner.pass_listener is not None:  # tests: a readback per pass
                 runner.report_refill_pass(self.buffers.columns[[SLOTS, POSITIONS, DEPTHS]],
@@ -414,8 +423,13 @@ class DeviceRefill:
         return host, event
 
     @staticmethod
-    def _still_running(flag: torch.Tensor, event: torch.cuda.Event | None) -> bool:
+    def _may_run(flag: torch.Tensor, event: torch.cuda.Event | None, waits: bool) -> bool:
+        """Whether a row may still run after the flag's pass (False: none does, the plan stops): the flag
+        waited for, or (`waits` False, a plan's last TAIL passes) read only if it has landed, else
+        assumed. Rows only stop within a plan, so a later pass's flag says the same or less."""
         if event is not None:
+            if not waits and not event.query():
+                return True
             event.synchronize()
         return bool(flag)
 

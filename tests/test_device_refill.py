@@ -16,7 +16,7 @@ from rlt_engine import SamplingParams
 from rlt_engine.config import EngineConfig
 from rlt_engine.executor.inproc import InprocExecutor
 from rlt_worker import mixed_graphs
-from rlt_worker.device_refill import RefillGraphs
+from rlt_worker.device_refill import DeviceRefill, RefillGraphs
 from rlt_worker.step_results import PendingResult, ResultBuilder
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -144,6 +144,58 @@ def test_pipelined_plans_continue_device_refill_rows(n: int, max_tokens: int, la
     assert pipelined.graph_stats["device_refill_resumed"] > 0
     assert (pipelined.graph_stats["device_refill_carried"] > 0) == (n > 1), pipelined.graph_stats
     assert synchronous.graph_stats["device_refill_resumed"] == synchronous.graph_stats["device_refill_carried"] == 0
+
+
+class _UnlandedFlag:
+    """A pass's "any row running" event as on CUDA when the host runs ahead: not landed when queried,
+    landed once waited for (`waited` records the pass)."""
+
+    def __init__(self, waited: list[int], index: int) -> None:
+        self.waited, self.index = waited, index
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        self.waited.append(self.index)
+
+
+@pytest.mark.parametrize("max_tokens", [3, 40])
+def test_a_plan_ends_with_passes_queued(max_tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One request, two plans in flight, CUDA's timing (results land late, a pass's flag only when waited
+    for): every plan after the first resumes its row on the device, and the host waits for no flag of a
+    full plan's last 4 passes, which stay queued on the GPU while the engine reads the last result and
+    builds and submits the next plan (as a planned plan's passes do); the outputs are one plan at a
+    time's and the reference's, also where the row ends inside passes the host did not wait for (3
+    tokens: in a D-pass plan, all of whose passes are its last 4)."""
+    plans: list[tuple[int, list[int]]] = []  # per device-refill plan: (its max_passes, the flags waited for)
+    replayed: list[int] = []  # per plan: the passes replayed so far
+    run_passes, running_flag = DeviceRefill.run_passes, DeviceRefill._running_flag
+
+    def counted_run_passes(self: DeviceRefill, rows: object) -> None:
+        plans.append((self.max_passes, []))
+        replayed.append(0)
+        run_passes(self, rows)
+
+    def unlanded_flag(self: DeviceRefill) -> tuple[torch.Tensor, _UnlandedFlag]:
+        flag, _ = running_flag(self)
+        replayed[-1] += 1
+        return flag, _UnlandedFlag(plans[-1][1], replayed[-1] - 1)
+
+    params = SamplingParams(max_tokens=max_tokens, seed=11, exit_threshold=0.5, temperature=0.0)
+    jobs = [Job("r", (5, 6, 7, 8), params)]
+    synchronous = _run("ouro", "last_exited", True, jobs)
+    _results_land_late(monkeypatch)
+    monkeypatch.setattr(DeviceRefill, "run_passes", counted_run_passes)
+    monkeypatch.setattr(DeviceRefill, "_running_flag", unlanded_flag)
+    pipelined = _run("ouro", "last_exited", True, jobs, max_plans_in_flight=2)
+    assert _finals(pipelined) == _finals(synchronous)
+    assert_matches_reference(pipelined, "toy-ouro", kv_layout="last_exited", exit_mode="ouro")
+    assert pipelined.graph_stats["device_refill_resumed"] == len(plans) - 1 > 0, pipelined.graph_stats
+    full = [(n, waited) for (n, waited), ran in zip(plans, replayed, strict=True) if ran == n == 4 * DEPTH["toy-ouro"]]
+    assert bool(full) == (max_tokens > 4 * DEPTH["toy-ouro"]), plans
+    for n, waited in full:
+        assert n - 1 - max(waited) >= 4, f"passes queued at the plan's end: {n - 1 - max(waited)} ({waited})"
 
 
 @pytest.mark.parametrize("first", [0, 2])
