@@ -26,13 +26,11 @@ The PDL path packs its own copy of the q|k|v and gate|up weights (a second Fused
 that won in a `scripts/bench_linear.py --sweep --json FILE` run, compared with `fused` the same way.
 `--cublas-path` adds `fused-cublas`: the fused path with plain launches and no Triton GEMV tier
 (every GEMM on cuBLAS, as before the strip GEMVs), compared with `fused` the same way.
-`--epilogue-paths` adds four paths under the last --pdl launch, each compared with that path:
+`--epilogue-paths` adds three paths under the last --pdl launch, each compared with that path:
 `fused-swiglu` (gate|up's strip applies SwiGLU too: StripConfig(2, 4), ouro_fused.STRIP_SWIGLU_SETTINGS;
-bit-equal where that path's gate|up is a strip too: Ouro-1.4B's shapes at one row),
+bit-equal where that path's gate|up is a strip too: Ouro-1.4B's shapes at one row), and
 `fused-rotary-n1` / `fused-rotary-n2` (and q|k|v's strip rotates q and k and writes k and v, 1 or 2
-pairs of rows a program: StripConfig(1 or 2, 4), ouro_fused.STRIP_ROTARY_SETTINGS) and
-`fused-closing-norms` (SwiGLU, and o's and down's strips end with the add + RMSNorm after them, run
-by each grid's last program: their STRIP_SETTINGS, ouro_fused.STRIP_NORM_SETTINGS).
+pairs of rows a program: StripConfig(1 or 2, 4), ouro_fused.STRIP_ROTARY_SETTINGS).
 
 Both paths share one KV pool of random K/V (only values read by attention; both write their own
 K/V of the pass at the same slots). The bytes a pass must read (loop weights + the context's K/V)
@@ -71,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cublas-path", action="store_true",
                    help="also time the fused path with every GEMM on cuBLAS (no strip or split-K GEMVs)")
     p.add_argument("--epilogue-paths", action="store_true",
-                   help="add the epilogue strips' paths (see the docstring)")
+                   help="add fused-swiglu, fused-rotary-n1 and fused-rotary-n2 (epilogue strips; see the docstring)")
     p.add_argument("--top", type=int, default=0, help="print the N kernel names with the most GPU time per path")
     p.add_argument("--json", default=None, help="write the results here")
     return p.parse_args(argv)
@@ -168,7 +166,7 @@ class Setup:
         return key, graphs._graphs[key]
 
 
-EPILOGUE_PATHS = ("fused-swiglu", "fused-rotary-n1", "fused-rotary-n2", "fused-closing-norms")
+EPILOGUE_PATHS = ("fused-swiglu", "fused-rotary-n1", "fused-rotary-n2")
 
 
 def epilogue_settings(config, dtype: torch.dtype) -> dict[str, dict]:
@@ -176,12 +174,9 @@ def epilogue_settings(config, dtype: torch.dtype) -> dict[str, dict]:
     hidden = config.hidden_size
     gate_up = {(2 * config.intermediate_size, hidden, dtype): StripConfig(2, 4)}
     qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim, hidden, dtype
-    norms = {(hidden, config.num_attention_heads * config.head_dim, dtype): StripConfig(4, 4),
-             (hidden, config.intermediate_size, dtype): StripConfig(1, 4)}
     return dict(zip(EPILOGUE_PATHS, (dict(strip_swiglu=gate_up),
                                      dict(strip_swiglu=gate_up, strip_rotary={qkv: StripConfig(1, 4)}),
-                                     dict(strip_swiglu=gate_up, strip_rotary={qkv: StripConfig(2, 4)}),
-                                     dict(strip_swiglu=gate_up, strip_norm=norms)), strict=True))
+                                     dict(strip_swiglu=gate_up, strip_rotary={qkv: StripConfig(2, 4)})), strict=True))
 
 
 def time_replays(graph, replays: int, cuda: bool) -> list[float]:

@@ -125,10 +125,9 @@ SPLITK_KERNELS: dict[str, tuple[dict, dict]] = {
 }
 SPLITK_TYPES = {"part_ptr": "*fp32", "count_ptr": "*i32"}
 # The strip GEMV (kernels/strip_gemv.py) at q|k|v's K (a power of two) and down's (4096 + 1536 lanes),
-# and its epilogues: gate|up's SwiGLU, q|k|v's RoPE and K/V write (16 + 2×16 heads of 128, 16-token blocks),
-# o's closing add + RMSNorm (the counter's atomics after the wait too).
+# and its epilogues: gate|up's SwiGLU, q|k|v's RoPE and K/V write (16 + 2×16 heads of 128, 16-token blocks).
 _PLAIN_STRIP = dict(PAIRED=False, SWIGLU=False, ROTARY=False, GROUP=1, Q_HEADS=0, ROT_HEADS=0, BLOCK_SIZE=1,
-                    ADD_NORM=False, NORM_BLOCK=1, Y_CACHE="", LIBDEVICE=True)
+                    LIBDEVICE=True)
 STRIP_KERNELS: dict[str, tuple[dict, dict]] = {
     "strip_pow2": (dict(_PLAIN_STRIP, BLOCK_N=2, K_HI=2048, K_LO=0, K_LO_PAD=1), dict(num_warps=4, num_stages=1)),
     "strip_rest": (dict(_PLAIN_STRIP, BLOCK_N=1, K_HI=4096, K_LO=1536, K_LO_PAD=2048),
@@ -137,10 +136,8 @@ STRIP_KERNELS: dict[str, tuple[dict, dict]] = {
                           GROUP=5632), dict(num_warps=4, num_stages=1)),
     "strip_rotary": (dict(_PLAIN_STRIP, BLOCK_N=1, K_HI=2048, K_LO=0, K_LO_PAD=1, PAIRED=True, ROTARY=True,
                           GROUP=64, Q_HEADS=16, ROT_HEADS=32, BLOCK_SIZE=16), dict(num_warps=4, num_stages=1)),
-    "strip_add_rmsnorm": (dict(_PLAIN_STRIP, BLOCK_N=4, K_HI=2048, K_LO=0, K_LO_PAD=1, ADD_NORM=True, NORM_BLOCK=2048,
-                               Y_CACHE=".cg"), dict(num_warps=4, num_stages=1)),
 }
-STRIP_TYPES = {"pos_ptr": "*i64", "slot_ptr": "*i64", "count_ptr": "*i32", "inv_n": "fp32", "eps": "fp32"}
+STRIP_TYPES = {"pos_ptr": "*i64", "slot_ptr": "*i64"}
 SPLITK_DIVISIBLE = ("N", "K", "stride_xm", "stride_wn", "stride_ym", "k_per_split")
 
 

@@ -165,43 +165,12 @@ def check_rotary_equals_the_strip_then_write_kv_rotary() -> None:
             StripGemv(128, 64, cfg, 1, epilogue=Epilogue.ROTARY_KV, heads=heads)
 
 
-def check_add_rmsnorm_equals_the_strip_then_add_rmsnorm() -> None:
-    """An ADD_RMSNORM strip: y', x' bit for bit the plain strip then fused_ops.add_rmsnorm (float32), K a
-    power of two or not, N one or not (the norm's block masked), M = 1…3, three launches in a row (the
-    counter back at zero after each); misuse refused."""
-    from rlt_worker.kernels.fused_ops import add_rmsnorm
-    from rlt_worker.kernels.strip_gemv import Epilogue, ResidualNorm, StripConfig, StripGemv
-
-    gen = torch.Generator().manual_seed(8)
-    for (n, k), cfg in zip([(64, 64), (48, 100), (40, 65)], [StripConfig(4, 4), StripConfig(1, 2), StripConfig(8, 1)],
-                           strict=True):
-        plain = StripGemv(n, k, cfg, 3)
-        fused = StripGemv(n, k, cfg, 3, epilogue=Epilogue.ADD_RMSNORM, device="cpu")
-        w = _inputs(n, k, 1, torch.float32, "cpu")[1]
-        wa, wb = 1 + torch.randn(n, generator=gen) / 4, 1 + torch.randn(n, generator=gen) / 4
-        for rows in (1, 3, 2):
-            x = _inputs(n, k, rows, torch.float32, "cpu")[0]
-            residual = torch.randn(rows, n, generator=gen)
-            want = add_rmsnorm(residual, plain(x, w), wa, wb, 1e-6)
-            got = fused.add_rmsnorm(x, w, ResidualNorm(residual, wa, wb, 1e-6))
-            where = f"{n}×{k} M{rows}"
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), where
-            assert int(fused._count) == 0, where
-    with pytest.raises(ValueError, match="add \\+ RMSNorm"):
-        plain.add_rmsnorm(x, w, ResidualNorm(residual, wa, wb, 1e-6))
-    with pytest.raises(ValueError, match="call"):
-        fused(x, w)
-    with pytest.raises(ValueError, match="residual"):
-        fused.add_rmsnorm(x, w, ResidualNorm(residual[:1], wa, wb, 1e-6))
-    with pytest.raises(ValueError, match="device"):
-        StripGemv(n, k, cfg, 3, epilogue=Epilogue.ADD_RMSNORM)
-
 def check_fused_loop_with_epilogue_strips() -> None:
-    """FusedOuroModel on toy-ouro (float32) with swiglu, rotary and closing-norm strips, over a paged
-    context one row a pass (a sequence's positions 0…4, 3 loops, each loop its own pool): every state
-    and both caches bit for bit those of the same model without epilogue strips (the strips, then
-    swiglu's, write_kv_rotary's and add_rmsnorm's launches), and within LOOP_TOL of OuroModel.loop; at
-    3 rows a pass (above strip_max_rows) the composition runs, with the same bits."""
+    """FusedOuroModel on toy-ouro (float32) with swiglu and rotary strips, over a paged context one row
+    a pass (a sequence's positions 0…4, 3 loops, each loop its own pool): every state and both caches
+    bit for bit those of the same model without epilogue strips (the strips, then swiglu's and
+    write_kv_rotary's launches), and within LOOP_TOL of OuroModel.loop; at 3 rows a pass (above
+    strip_max_rows) the composition runs, with the same bits."""
     from test_fused_ops import LOOP_TOL
 
     from rlt_worker.kernels.strip_gemv import StripConfig
@@ -211,14 +180,11 @@ def check_fused_loop_with_epilogue_strips() -> None:
     from rlt_worker.paged_context import PagedContext, PagedPlaneView
 
     reference = load_model("toy-ouro", dtype=torch.float32, device="cpu")
-    f32 = torch.float32
-    strips = {**_toy_strips(), (64, 128, f32): StripConfig(4, 2)}  # down too: the closing norms' composition
-    epilogues = dict(strip_swiglu={(256, 64, f32): StripConfig(4, 2)}, strip_rotary={(128, 64, f32): StripConfig(2, 2)},
-                     strip_norm={(64, 64, f32): StripConfig(8, 2), (64, 128, f32): StripConfig(4, 2)})
-    models = {"composed": FusedOuroModel(reference, strip=strips),
-              "fused": FusedOuroModel(reference, strip=strips, **epilogues)}
-    assert list(models["fused"]._qkv_attention.strips) == [(128, 64, f32)]
-    assert sorted(models["fused"]._linear_norm.strips) == [(64, 64, f32), (64, 128, f32)]
+    epilogues = dict(strip_swiglu={(256, 64, torch.float32): StripConfig(4, 2)},
+                     strip_rotary={(128, 64, torch.float32): StripConfig(2, 2)})
+    models = {"composed": FusedOuroModel(reference, strip=_toy_strips()),
+              "fused": FusedOuroModel(reference, strip=_toy_strips(), **epilogues)}
+    assert list(models["fused"]._qkv_attention.strips) == [(128, 64, torch.float32)]
     info, block_size = reference.info, 4
     tokens = torch.randint(0, 256, (5,), generator=torch.Generator().manual_seed(5))
     table = torch.tensor([[3, 0]], dtype=torch.int32)
@@ -276,24 +242,6 @@ def check_fused_loop() -> None:
     assert FusedOuroModel(f64, strip=_toy_strips())._linear is F.linear
 
 
-def check_lm_head_strip() -> None:
-    """A strip setting for the head's shape (toy-ouro's 264×64): one row through the strip (within fp32
-    tolerance of the reference's F.linear), 3 rows through F.linear itself."""
-    from rlt_worker.kernels.strip_gemv import StripConfig
-    from rlt_worker.models.loader import load_model
-    from rlt_worker.models.ouro_fused import FusedOuroModel, RowBoundLinear
-
-    reference = load_model("toy-ouro", dtype=torch.float32, device="cpu")
-    fused = FusedOuroModel(reference, strip={(264, 64, torch.float32): StripConfig(4, 2)}, strip_max_rows=1)
-    assert isinstance(fused._head_linear, RowBoundLinear)
-    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
-    with torch.inference_mode():
-        want = reference.lm_head(hidden)
-        torch.testing.assert_close(fused.lm_head(hidden[:1]), want[:1], **F32)
-        assert torch.equal(fused.lm_head(hidden), want)
-    assert FusedOuroModel(reference)._head_linear is F.linear  # no setting for its shape
-
-
 def check_fused_loop_with_swiglu_strips() -> None:
     """The same with swiglu strips on toy-ouro's gate|up (256×64) as well: the loop equals the torch loop
     at 1 row (the swiglu strip) and at 3 (the GEMM, then swiglu's launch)."""
@@ -333,12 +281,10 @@ INTERP_CASES: dict[str, Callable[[], None]] = {
        for c in CONFIGS[:2]},
     "rejects": check_rejects,
     "fused-loop": check_fused_loop,
-    "lm-head-strip": check_lm_head_strip,
     "swiglu-strip": check_swiglu_equals_the_strip_then_swiglu,
     "fused-loop-swiglu": check_fused_loop_with_swiglu_strips,
     "bench-chain": check_bench_chain,
     "rotary-strip": check_rotary_equals_the_strip_then_write_kv_rotary,
-    "add-rmsnorm-strip": check_add_rmsnorm_equals_the_strip_then_add_rmsnorm,
     "fused-loop-epilogues": check_fused_loop_with_epilogue_strips,
 }
 
@@ -364,7 +310,7 @@ def test_default_strips_cover_ouro_1_4b_in_every_supported_dtype_and_a_plain_cpu
     from rlt_worker.kernels.strip_gemv import SUPPORTED_DTYPES
     from rlt_worker.models.ouro_fused import STRIP_MAX_ROWS, STRIP_SETTINGS, STRIP_SWIGLU_SETTINGS, FusedOuroModel
 
-    shapes = {(6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632), (49152, 2048)}  # + the LM head
+    shapes = {(6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632)}
     assert set(STRIP_SETTINGS) == {(*s, d) for s in shapes for d in SUPPORTED_DTYPES}
     assert set(STRIP_SWIGLU_SETTINGS) == {(11264, 2048, d) for d in SUPPORTED_DTYPES}  # gate|up
     assert STRIP_MAX_ROWS >= 1
@@ -476,41 +422,6 @@ def test_gpu_rotary_strip_matches_the_strip_then_write_kv_rotary(dtype: torch.dt
     graph.replay()
     assert torch.equal(captured, eager) and torch.equal(graph_k, got_k) and torch.equal(graph_v, got_v)
 
-
-@pytest.mark.gpu
-@interp.needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_closing_norm_strips_match_the_strip_then_add_rmsnorm(dtype: torch.dtype) -> None:
-    """Ouro-1.4B's o (2048×2048) and down (2048×5632) with the add + RMSNorm epilogue: x' and y' within
-    the dtype's tolerance of the plain strip then add_rmsnorm (the norm reduces in another layout);
-    replayed from a CUDA graph with PDL launches, ten times over, the eager plain launch's bits (the
-    counter back at zero each time)."""
-    from rlt_worker.kernels.fused_ops import add_rmsnorm
-    from rlt_worker.kernels.launch import PLAIN, KernelLaunch
-    from rlt_worker.kernels.strip_gemv import Epilogue, ResidualNorm, StripConfig, StripGemv
-
-    tol = HALF.get(dtype) or F32
-    pdl = KernelLaunch.for_device(True, torch.device("cuda"))
-    gen = torch.Generator(device="cuda").manual_seed(4)
-    for k, cfg in ((2048, StripConfig(4, 4)), (5632, StripConfig(1, 4))):
-        x, w = _inputs(2048, k, 1, dtype, "cuda")
-        w = w * k**-0.5
-        norm = ResidualNorm(torch.randn(1, 2048, device="cuda", generator=gen).to(dtype),
-                            (1 + torch.randn(2048, device="cuda", generator=gen) / 4).to(dtype),
-                            (1 + torch.randn(2048, device="cuda", generator=gen) / 4).to(dtype), 1e-6)
-        want = add_rmsnorm(norm.residual, StripGemv(2048, k, cfg, 1)(x, w), norm.weight_a, norm.weight_b, norm.eps)
-        eager = StripGemv(2048, k, cfg, 1, PLAIN, Epilogue.ADD_RMSNORM, device="cuda").add_rmsnorm(x, w, norm)
-        for name, got, exp in zip(("x'", "y'"), eager, want, strict=True):
-            torch.testing.assert_close(got, exp, **tol, msg=lambda e, name=name, k=k: f"K {k} {name}: {e}")
-        strip = StripGemv(2048, k, cfg, 1, pdl, Epilogue.ADD_RMSNORM, device="cuda")
-        strip.add_rmsnorm(x, w, norm)  # compiled before capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = strip.add_rmsnorm(x, w, norm)
-        for _ in range(10):
-            graph.replay()
-            assert all(torch.equal(a, b) for a, b in zip(captured, eager, strict=True)), f"K {k}: replay"
-        assert int(strip._count) == 0
 
 @pytest.mark.gpu
 @interp.needs_cuda

@@ -64,32 +64,20 @@ def _add_rmsnorm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
+    dtype = y_ptr.dtype.element_ty
+    cdt = tl.float64 if F64 else tl.float32
     # The weights are the model's, which no kernel writes: loaded before the PDL wait.
     wb = tl.load(wb_ptr + cols, mask=ok, other=0.0)
     if HAS_RESIDUAL:
         wa = tl.load(wa_ptr + cols, mask=ok, other=0.0)
-    else:
-        wa = wb  # unread
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     if F64:
         eps = tl.load(eps_ptr)  # a Python float argument is fp32: the exact fp64 eps comes from memory
-    add_rmsnorm_row(x_ptr + row * stride_x, h_ptr + row * stride_h, wa, wb, x_out_ptr + row * stride_xo,
-                    y_ptr + row * stride_y, cols, ok, n_cols, inv_n, eps, HAS_RESIDUAL, F64, LIBDEVICE, "")
-
-
-def _add_rmsnorm_row(
-    x_row, h_row, wa, wb, x_out_row, y_row, cols, ok, n_cols, inv_n, eps,
-    HAS_RESIDUAL: tl.constexpr, F64: tl.constexpr, LIBDEVICE: tl.constexpr, H_CACHE: tl.constexpr,
-):
-    """One row's x' = x + w_a·norm(h) (stored) and y = w_b·norm(x') (stored), the weights given; h
-    loaded with cache modifier H_CACHE (".cg": a row other programs of this grid just stored)."""
-    dtype = y_row.dtype.element_ty
-    cdt = tl.float64 if F64 else tl.float32
-    x = tl.load(x_row + cols, mask=ok, other=0.0)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     if HAS_RESIDUAL:
-        h = tl.load(h_row + cols, mask=ok, other=0.0, cache_modifier=H_CACHE).to(cdt)
+        h = tl.load(h_ptr + row * stride_h + cols, mask=ok, other=0.0).to(cdt)
         if F64:
             r = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / n_cols + eps)
         elif LIBDEVICE:
@@ -98,7 +86,7 @@ def _add_rmsnorm_row(
             r = tl.math.rsqrt(tl.sum(h * h, axis=0) * inv_n + eps)
         a = (wa.to(cdt) * (h * r).to(dtype).to(cdt)).to(dtype)
         x = (x.to(cdt) + a.to(cdt)).to(dtype)
-        tl.store(x_out_row + cols, x, mask=ok)
+        tl.store(x_out_ptr + row * stride_xo + cols, x, mask=ok)
     xc = x.to(cdt)
     if F64:
         r = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / n_cols + eps)
@@ -107,13 +95,7 @@ def _add_rmsnorm_row(
     else:
         r = tl.math.rsqrt(tl.sum(xc * xc, axis=0) * inv_n + eps)
     y = (wb.to(cdt) * (xc * r).to(dtype).to(cdt)).to(dtype)
-    tl.store(y_row + cols, y, mask=ok)
-
-
-# The row as a device function, shared with the strip GEMV's closing norm (kernels/strip_gemv.py); jitted
-# at import, in the mode Triton is in then (tests/interp.py: an interpreter process sets TRITON_INTERPRET
-# before it imports Triton).
-add_rmsnorm_row = triton.jit(_add_rmsnorm_row) if triton is not None else None
+    tl.store(y_ptr + row * stride_y + cols, y, mask=ok)
 
 
 def _rope_qk_kernel(

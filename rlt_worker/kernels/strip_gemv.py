@@ -58,28 +58,25 @@ from rlt_worker.attention.triton_backend import (
     tl,
     triton,
 )
-from rlt_worker.kernels.fused_ops import add_rmsnorm_row, check_rotary_targets, libdevice
+from rlt_worker.kernels.fused_ops import check_rotary_targets, libdevice
 from rlt_worker.kernels.launch import PLAIN, KernelLaunch
 from rlt_worker.kernels.splitk_gemv import SUPPORTED_DTYPES, check_gemv_args, jitted_gemv
 from rlt_worker.models.base import Rotary
 
-__all__ = ["SUPPORTED_DTYPES", "Epilogue", "KVTarget", "ResidualNorm", "StripConfig", "StripGemv"]
+__all__ = ["SUPPORTED_DTYPES", "Epilogue", "KVTarget", "StripConfig", "StripGemv"]
 
 
 def _strip_kernel(
     x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym,
     pos_ptr, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, stride_cos,
     stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
-    res_ptr, wa_ptr, wb_ptr, res_out_ptr, normed_ptr, count_ptr, stride_res, stride_ro, stride_no, inv_n, eps,
     BLOCK_N: tl.constexpr, K_HI: tl.constexpr, K_LO: tl.constexpr, K_LO_PAD: tl.constexpr,
     PAIRED: tl.constexpr, SWIGLU: tl.constexpr, ROTARY: tl.constexpr, GROUP: tl.constexpr, Q_HEADS: tl.constexpr,
-    ROT_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, ADD_NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
-    Y_CACHE: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
+    ROT_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Units [j·BLOCK_N, (j+1)·BLOCK_N) of N: their rows of W loaded first (and, paired, each unit's
     partner row GROUP below it: SWIGLU, ROTARY), then every row of x: its dots, the epilogue.
-    PAIRED = SWIGLU or ROTARY. ADD_NORM: the grid's last program (counted) runs add + RMSNorm over
-    the whole of y."""
+    PAIRED = SWIGLU or ROTARY."""
     units = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = units < N
     if PAIRED:  # strip row r: unit r // 2's row (r even) or its partner (r odd), interleaved
@@ -117,7 +114,7 @@ def _strip_kernel(
         if PAIRED:  # one reduction for both rows of each unit, then the unit's two dots apart
             acc, acc_b = tl.split(tl.reshape(acc, (BLOCK_N, 2)))
         if not PAIRED:
-            tl.store(y_ptr + m * stride_ym + units, acc.to(dtype), mask=ok, cache_modifier=Y_CACHE)
+            tl.store(y_ptr + m * stride_ym + units, acc.to(dtype), mask=ok)
         elif SWIGLU:
             # fused_ops._swiglu_kernel's rounding on the GEMV's stored outputs: gate and up rounded
             # to the dtype, silu in fp32 (libdevice exp, IEEE division), rounded, times up.
@@ -138,21 +135,6 @@ def _strip_kernel(
         # grid's last programs finish, they do not crowd out its later waves (measured: 1.109 ms a
         # 1-row pass with the launch after the wait, against 1.064 with the RoPE launch between).
         gdc_launch_dependents()
-    if ADD_NORM:
-        # y went to the L2 (.cg), where the last program (any SM) reads it; every thread's store
-        # precedes the count (release), and the count precedes the last program's loads (acquire).
-        tl.debug_barrier()
-        done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-        if done == tl.num_programs(0) - 1:
-            cols = tl.arange(0, NORM_BLOCK)
-            cols_ok = cols < N
-            wa = tl.load(wa_ptr + cols, mask=cols_ok, other=0.0)
-            wb = tl.load(wb_ptr + cols, mask=cols_ok, other=0.0)
-            for m in range(M):
-                add_rmsnorm_row(res_ptr + m * stride_res, y_ptr + m * stride_ym, wa, wb, res_out_ptr + m * stride_ro,
-                                normed_ptr + m * stride_no, cols, cols_ok, N, inv_n, eps, True, False, LIBDEVICE,
-                                ".cg")
-            tl.atomic_xchg(count_ptr, 0)  # the next launch (a graph replay) counts from zero
 
 
 def _rotary_kv_epilogue(
@@ -216,17 +198,6 @@ class Epilogue(enum.IntEnum):
     STORE = 0  # y = x·Wᵀ
     SWIGLU = 1  # W is gate|up [2I, K]: y = silu(gate)·up [M, I]
     ROTARY_KV = 2  # W is q|k|v: q rotated into y [M, Hq·Dh], k rotated and v into the paged caches
-    ADD_RMSNORM = 3  # y = x·Wᵀ, then fused_ops.add_rmsnorm(residual, y, …) by the grid's last program
-
-
-class ResidualNorm(NamedTuple):
-    """What an ADD_RMSNORM strip's closing norm takes besides y (fused_ops.add_rmsnorm's other inputs):
-    x' = residual + weight_a·norm(y), and weight_b·norm(x')."""
-
-    residual: torch.Tensor
-    weight_a: torch.Tensor
-    weight_b: torch.Tensor
-    eps: float
 
 
 class KVTarget(NamedTuple):
@@ -239,20 +210,18 @@ class KVTarget(NamedTuple):
 
 
 class StripGemv:
-    """x·Wᵀ for weights [out_features, in_features] and at most max_rows rows.
+    """x·Wᵀ for weights [out_features, in_features] and at most max_rows rows; no workspace.
 
     One instance may serve every weight of its shape (a model's layers). x [M, K] (unit column
     stride, any row stride; M ≤ max_rows), weight [N, K] (row-major) of x's dtype; results are new
     tensors of that dtype. `launch`: PDL or plain (module docstring). The epilogue is fixed at
-    construction: ROTARY_KV also takes the q|k|v heads, `heads` = (Hq, Hkv, Dh), and runs through
-    `rotary`; ADD_RMSNORM runs through `add_rmsnorm` and owns a counter on `device` (allocated here,
-    outside any graph; its launches must be stream-ordered, as one pass at a time on one stream is);
-    the others run through `__call__` and have no workspace.
+    construction (ROTARY_KV also takes the q|k|v heads, `heads` = (Hq, Hkv, Dh), and runs through
+    `rotary`, the others through `__call__`).
     """
 
     def __init__(self, out_features: int, in_features: int, config: StripConfig, max_rows: int,
                  launch: KernelLaunch = PLAIN, epilogue: Epilogue = Epilogue.STORE,
-                 heads: tuple[int, int, int] | None = None, device: torch.device | str | None = None) -> None:
+                 heads: tuple[int, int, int] | None = None) -> None:
         _check_device()  # Triton is importable
         if out_features < 1 or in_features < 1 or max_rows < 1:
             raise ValueError(f"StripGemv needs positive sizes, got {out_features}×{in_features}, max_rows {max_rows}")
@@ -268,27 +237,11 @@ class StripGemv:
         self._width = heads[0] * heads[2] if epilogue == Epilogue.ROTARY_KV else self._units  # y's columns
         self._k = split_k(in_features)
         self._grid = (triton.cdiv(self._units, config.block_n),)
-        self._count = None  # ADD_RMSNORM: how many programs have stored their columns
-        if epilogue == Epilogue.ADD_RMSNORM:
-            if device is None:
-                raise ValueError("StripGemv with the add + RMSNorm epilogue needs the device of its counter")
-            self._count = torch.zeros(1, dtype=torch.int32, device=device)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x·weightᵀ [M, N] (SWIGLU: silu(gate)·up [M, N/2]), accumulated in fp32: one launch, no host
         synchronization."""
-        return self._run(x, weight, None, None)
-
-    def add_rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, norm: ResidualNorm
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x', y') = fused_ops.add_rmsnorm(norm.residual, x·weightᵀ, norm.weight_a, norm.weight_b,
-        norm.eps) of an ADD_RMSNORM strip, in one launch: bit for bit the two launches under the
-        interpreter."""
-        if self.epilogue != Epilogue.ADD_RMSNORM:
-            raise ValueError(f"{self!r} has no add + RMSNorm epilogue")
-        outputs = _norm_outputs(x, norm, self.out_features)
-        self._run(x, weight, None, (norm, *outputs))
-        return outputs
+        return self._run(x, weight, None)
 
     def rotary(self, x: torch.Tensor, weight: torch.Tensor, rope: Rotary, kv: KVTarget) -> torch.Tensor:
         """Rotated q [M, Hq, Dh] of a ROTARY_KV strip, k and v stored at kv: the q|k|v GEMV and
@@ -298,16 +251,14 @@ class StripGemv:
             raise ValueError(f"{self!r} does not take RoPE of {rope.num_heads}+2×{rope.num_kv_heads} heads of "
                              f"{rope.head_dim}")
         check_rotary_targets(kv.k_cache, kv.v_cache, x.shape[0], x.dtype, rope, kv.slot_mapping)
-        return self._run(x, weight, (rope, kv), None).view(-1, rope.num_heads, rope.head_dim)
+        return self._run(x, weight, (rope, kv)).view(-1, rope.num_heads, rope.head_dim)
 
-    def _run(self, x: torch.Tensor, weight: torch.Tensor, rotary: tuple[Rotary, KVTarget] | None,
-             norm: tuple[ResidualNorm, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, weight: torch.Tensor, rotary: tuple[Rotary, KVTarget] | None) -> torch.Tensor:
         check_gemv_args("StripGemv", (self.out_features, self.in_features), self.max_rows, x, weight)
-        if (rotary is None) != (self.epilogue != Epilogue.ROTARY_KV) or (norm is None) != (self._count is None):
-            raise ValueError(f"{self!r}: a ROTARY_KV strip runs through `rotary`, an ADD_RMSNORM one through "
-                             "`add_rmsnorm`, the others through a call")
-        rope_args, norm_args = _rotary_args(x, rotary), self._norm_args(x, norm)
-        _check_device(x, weight, *rope_args[:6], *norm_args[:6])
+        if (rotary is None) != (self.epilogue != Epilogue.ROTARY_KV):
+            raise ValueError(f"{self!r}: a ROTARY_KV strip runs through `rotary`, the others do not")
+        rope_args = _rotary_args(x, rotary)
+        _check_device(x, weight, *rope_args[:6])
         m = x.shape[0]
         y = torch.empty(m, self._width, dtype=x.dtype, device=x.device)
         if m == 0:
@@ -316,25 +267,14 @@ class StripGemv:
         interpret = _interpreting()
         q_heads, kv_heads, _ = self.heads or (0, 0, 0)
         jitted_gemv(_strip_kernel, interpret)[self._grid](
-            x, weight, y, m, self._units, x.stride(0), weight.stride(0), y.stride(0), *rope_args, *norm_args,
+            x, weight, y, m, self._units, x.stride(0), weight.stride(0), y.stride(0), *rope_args,
             BLOCK_N=self.config.block_n, K_HI=k_hi, K_LO=k_lo, K_LO_PAD=k_lo_pad,
-            PAIRED=self.epilogue in (Epilogue.SWIGLU, Epilogue.ROTARY_KV), SWIGLU=self.epilogue == Epilogue.SWIGLU,
+            PAIRED=self.epilogue != Epilogue.STORE, SWIGLU=self.epilogue == Epilogue.SWIGLU,
             ROTARY=rotary is not None, GROUP=self._group, Q_HEADS=q_heads,
             ROT_HEADS=q_heads + kv_heads, BLOCK_SIZE=rotary[1].k_cache.shape[1] if rotary else 1,
-            ADD_NORM=norm is not None, NORM_BLOCK=triton.next_power_of_2(self.out_features) if norm else 1,
-            Y_CACHE=".cg" if norm else "", LIBDEVICE=not interpret,
-            **self.launch.kwargs(m, num_warps=self.config.num_warps, num_stages=1),
+            LIBDEVICE=not interpret, **self.launch.kwargs(m, num_warps=self.config.num_warps, num_stages=1),
         )
         return y
-
-    def _norm_args(self, x: torch.Tensor, norm: tuple[ResidualNorm, torch.Tensor, torch.Tensor] | None) -> tuple:
-        """The kernel's closing-norm arguments (residual, weights, outputs, counter, strides, 1/N, eps);
-        unused ones point at x."""
-        if norm is None:
-            return (x,) * 6 + (0, 0, 0, 1.0, 0.0)
-        (residual, weight_a, weight_b, eps), res_out, normed = norm
-        return (residual, weight_a, weight_b, res_out, normed, self._count, residual.stride(0), res_out.stride(0),
-                normed.stride(0), 1.0 / self.out_features, eps)
 
     def __repr__(self) -> str:
         epilogue = "" if self.epilogue == Epilogue.STORE else f", {self.epilogue.name.lower()}"
@@ -351,18 +291,6 @@ def _rotary_half(out_features: int, config: StripConfig, heads: tuple[int, int, 
         raise ValueError(f"StripGemv: {out_features} rows are not q|k|v of {q_heads}+2×{kv_heads} heads of "
                          f"{head_dim} in pairs of {config.block_n} a program")
     return head_dim // 2
-
-
-def _norm_outputs(x: torch.Tensor, norm: ResidualNorm, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x' and y' of a closing norm, new [M, width] tensors, once its inputs are checked."""
-    shape = (x.shape[0], width)
-    residual, weight_a, weight_b, _ = norm
-    if residual.shape != shape or residual.stride(1) != 1 or residual.dtype != x.dtype \
-            or any(w.shape != (width,) or w.dtype != x.dtype for w in (weight_a, weight_b)):
-        raise ValueError(f"the closing norm takes a residual {shape} (unit column stride) and weights [{width}] of "
-                         f"{x.dtype}, got {tuple(residual.shape)} {residual.dtype}, {tuple(weight_a.shape)}, "
-                         f"{tuple(weight_b.shape)}")
-    return torch.empty(shape, dtype=x.dtype, device=x.device), torch.empty(shape, dtype=x.dtype, device=x.device)
 
 
 def _rotary_args(x: torch.Tensor, rotary: tuple[Rotary, KVTarget] | None) -> tuple:

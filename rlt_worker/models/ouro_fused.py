@@ -57,10 +57,9 @@ from rlt_worker.attention.triton_backend import _interpreting
 from rlt_worker.kernels.fused_ops import add_rmsnorm, rope_qk, rope_table, swiglu
 from rlt_worker.kernels.launch import PLAIN, KernelLaunch
 from rlt_worker.kernels.splitk_gemv import SUPPORTED_DTYPES, SplitKConfig, SplitKGemv
-from rlt_worker.kernels.strip_gemv import Epilogue, KVTarget, ResidualNorm, StripConfig, StripGemv
+from rlt_worker.kernels.strip_gemv import Epilogue, KVTarget, StripConfig, StripGemv
 
 from .base import AttentionContext, LayerId, LoopedModel, Rotary, RotaryAttentionContext, WritingAttentionContext
-from .layers import head_weight
 from .ouro import OuroDecoderLayer, OuroModel
 
 log = logging.getLogger("rlt.worker")
@@ -77,11 +76,8 @@ SPLITK_MAX_ROWS = 8
 # Strip settings by weight: Ouro-1.4B's packed q|k|v, o, gate|up and down, the fastest of
 # scripts/bench_gemv_chain.py's candidates at one row on one H200 (docs/benchmarks.md), for every
 # dtype the kernel takes (float32: the benchmark's gate runs the same kernels).
-# The LM head's (49152 × 2048) takes gate|up's setting: the CODA of one row reads its 201 MB once a token
-# (and once a pass under device refill).
 _OURO_1_4B_STRIPS = {(6144, 2048): StripConfig(2, 4), (2048, 2048): StripConfig(4, 4),
-                     (11264, 2048): StripConfig(4, 4), (2048, 5632): StripConfig(1, 4),
-                     (49152, 2048): StripConfig(4, 4)}
+                     (11264, 2048): StripConfig(4, 4), (2048, 5632): StripConfig(1, 4)}
 STRIP_SETTINGS: Mapping[WeightKey, StripConfig] = {
     (*shape, dtype): config for shape, config in _OURO_1_4B_STRIPS.items() for dtype in SUPPORTED_DTYPES}
 # Passes of at most this many rows use the strip settings: each further row re-reduces the strip.
@@ -99,10 +95,6 @@ STRIP_SWIGLU_SETTINGS: Mapping[WeightKey, StripConfig] = {
 # Empty, so off: with the attention launched right after the strip's wait, the 1-row pass took
 # 1.109 ms against 1.064 (docs/benchmarks.md); to time: scripts/profile_decode_pass.py --epilogue-paths.
 STRIP_ROTARY_SETTINGS: Mapping[WeightKey, StripConfig] = {}
-# Strips of o and down whose last program (counted) then runs the add + RMSNorm after them (one launch
-# for the GEMV and add_rmsnorm), for passes of at most STRIP_MAX_ROWS rows. Empty, so off until timed
-# on the H200 (scripts/profile_decode_pass.py --epilogue-paths: fused-closing-norms).
-STRIP_NORM_SETTINGS: Mapping[WeightKey, StripConfig] = {}
 
 
 class PackedLayer(NamedTuple):
@@ -155,8 +147,7 @@ class FusedOuroModel(LoopedModel):
                  strip: Mapping[WeightKey, StripConfig] = STRIP_SETTINGS,
                  strip_max_rows: int = STRIP_MAX_ROWS,
                  strip_swiglu: Mapping[WeightKey, StripConfig] = STRIP_SWIGLU_SETTINGS,
-                 strip_rotary: Mapping[WeightKey, StripConfig] = STRIP_ROTARY_SETTINGS,
-                 strip_norm: Mapping[WeightKey, StripConfig] = STRIP_NORM_SETTINGS) -> None:
+                 strip_rotary: Mapping[WeightKey, StripConfig] = STRIP_ROTARY_SETTINGS) -> None:
         super().__init__()
         self.reference = reference
         self.config = reference.config
@@ -176,10 +167,6 @@ class FusedOuroModel(LoopedModel):
         heads = (self._heads, self._kv_heads, self._head_dim)
         self._qkv_attention = QkvAttention(self._linear, strips.built([w.qkv for w in self._layers], strip_rotary,
                                                                       Epilogue.ROTARY_KV, heads), strips)
-        self._linear_norm = LinearAddRMSNorm(self._linear, strips.built(
-            [t for w in self._layers for t in (w.o, w.down)], strip_norm, Epilogue.ADD_RMSNORM), strips)
-        self._head = head_weight(reference, reference.model.embed_tokens.weight)
-        self._head_linear = linear_choice([self._head], [(strip_max_rows, strip)], self.launch)
         self._final_norm = reference.model.norm.weight.detach()  # a plain tensor: not a parameter of this module
         weight = self._final_norm
         # Every position the model supports, as split_half_cos_sin computes it (fp32, then cast).
@@ -198,14 +185,15 @@ class FusedOuroModel(LoopedModel):
         self, state: torch.Tensor, embedded: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         """All L decoder layers then `model.norm`, through the fused kernels."""
-        n, eps, layers, linear_norm = state.shape[0], self._eps, self._layers, self._linear_norm
+        n, eps, launch, layers, linear = state.shape[0], self._eps, self.launch, self._layers, self._linear
         rope = Rotary(positions, self._cos, self._sin, self._heads, self._kv_heads, self._head_dim)
-        x, y = add_rmsnorm(state, None, None, layers[0].input_norm, eps, launch=self.launch)
+        x, y = add_rmsnorm(state, None, None, layers[0].input_norm, eps, launch=launch)
         for i, w in enumerate(layers):
             attn = self._qkv_attention(ctx, w.layer, y, w.qkv, rope).reshape(n, -1)
-            x, y = linear_norm(attn, w.o, ResidualNorm(x, w.input_norm_2, w.post_norm, eps))
+            x, y = add_rmsnorm(x, linear(attn, w.o), w.input_norm_2, w.post_norm, eps, launch=launch)
+            mlp = linear(self._gate_up_swiglu(y, w.gate_up), w.down)
             closing = layers[i + 1].input_norm if i + 1 < len(layers) else self._final_norm
-            x, y = linear_norm(self._gate_up_swiglu(y, w.gate_up), w.down, ResidualNorm(x, w.post_norm_2, closing, eps))
+            x, y = add_rmsnorm(x, mlp, w.post_norm_2, closing, eps, launch=launch)
         return y
 
     def exit_gate(self, state: torch.Tensor) -> torch.Tensor:
@@ -217,9 +205,8 @@ class FusedOuroModel(LoopedModel):
         return self.reference.coda(state, positions, ctx)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The reference's head weight through the strips' tier (one row: a strip; else F.linear, the
-        reference's)."""
-        return self._head_linear(hidden, self._head)
+        """The reference's head."""
+        return self.reference.lm_head(hidden)
 
     def kernel_launch(self, requested: KernelLaunch) -> KernelLaunch:
         """This model's launch: the one it was built with, PDL bounded to its all-Triton passes."""
@@ -299,7 +286,7 @@ class EpilogueStrips:
         for w in weights:
             key = (*w.shape, w.dtype)
             if key in settings and key not in strips and triton_runs(w):
-                strips[key] = StripGemv(*w.shape, settings[key], self.max_rows, self.launch, epilogue, heads, w.device)
+                strips[key] = StripGemv(*w.shape, settings[key], self.max_rows, self.launch, epilogue, heads)
         return strips
 
     def find(self, strips: dict[WeightKey, StripGemv], x: torch.Tensor, weight: torch.Tensor) -> StripGemv | None:
@@ -319,22 +306,6 @@ class GateUpSwiGLU:
         if strip is not None:
             return strip(x, gate_up)
         return swiglu(self._linear(x, gate_up), launch=self._shared.launch)
-
-
-class LinearAddRMSNorm:
-    """add_rmsnorm(residual, x·Wᵀ, w_a, w_b): for passes of at most max_rows rows whose weight has a strip,
-    one strip launch whose last program runs the norm; else the linear strategy's GEMM and
-    add_rmsnorm's launch (the same bits under the interpreter)."""
-
-    def __init__(self, linear: Linear, strips: dict[WeightKey, StripGemv], shared: EpilogueStrips) -> None:
-        self._linear, self.strips, self._shared = linear, strips, shared
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, norm: ResidualNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        strip = self._shared.find(self.strips, x, weight)
-        if strip is not None:
-            return strip.add_rmsnorm(x, weight, norm)
-        residual, weight_a, weight_b, eps = norm
-        return add_rmsnorm(residual, self._linear(x, weight), weight_a, weight_b, eps, launch=self._shared.launch)
 
 
 class QkvAttention:
