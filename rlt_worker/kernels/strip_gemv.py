@@ -107,7 +107,8 @@ def _strip_kernel(
             s = tl.load(sin_ptr + pos * stride_cos + units % GROUP, mask=ok, other=0.0).to(tl.float32)
         x_row = x_ptr + m * stride_xm
         x_hi = tl.load(x_row + hi).to(tl.float32)
-        x_lo = tl.load(x_row + lo, mask=lo_ok, other=0.0).to(tl.float32)
+        if K_LO > 0:
+            x_lo = tl.load(x_row + lo, mask=lo_ok, other=0.0).to(tl.float32)
         acc = tl.sum(w_hi.to(tl.float32) * x_hi[None, :], axis=1)
         if K_LO > 0:
             acc += tl.sum(w_lo.to(tl.float32) * x_lo[None, :], axis=1)
