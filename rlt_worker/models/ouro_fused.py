@@ -320,8 +320,8 @@ class QkvAttention:
 
     def __call__(self, ctx: AttentionContext, layer: LayerId, x: torch.Tensor, qkv: torch.Tensor,
                  rope: Rotary) -> torch.Tensor:
-        strip = self._shared.find(self.strips, x, qkv) if isinstance(ctx, WritingAttentionContext) else None
-        if strip is not None:
+        strip = self._shared.find(self.strips, x, qkv)  # the dict lookup first: isinstance of a Protocol is slow
+        if strip is not None and isinstance(ctx, WritingAttentionContext):
             return ctx.attend_writing(layer, lambda k_cache, v_cache, slots: strip.rotary(
                 x, qkv, rope, KVTarget(k_cache, v_cache, slots)))
         if isinstance(ctx, RotaryAttentionContext):
