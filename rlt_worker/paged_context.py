@@ -10,6 +10,11 @@ import torch
 from rlt_worker.kv_storage import KVStorage
 from rlt_worker.models.base import LayerId, QKVWriter, Rotary
 
+# Whether the runner's decode batches rotate, write and attend in one launch (PagedContext's
+# fused_rotary): built and tested on the CPU, off until an H200 pass profile times it
+# (scripts/profile_decode_pass.py --rotary-attention).
+FUSED_ROTARY_ATTENTION = False
+
 
 @dataclass(frozen=True)
 class PrefillChunks:
@@ -52,6 +57,11 @@ class PagedContext:
     `outer_view` (one version per position). Every row reads positions 0 … its own: through
     the backend's prefill_attention when the rows come as `chunks` (views with one table row
     per chunk), else through paged_attention, one row at a time.
+
+    `fused_rotary` (rows not in chunks): attend_rotary rotates, writes and attends in one launch
+    (paged_attention_rotary), which asks that no row read a position another row of the batch
+    writes: the runner's decode batches, one row a slot, each slot its own sequence. Chosen once,
+    by the runner (RunnerConfig.fused_rotary_attention).
     """
 
     def __init__(
@@ -62,8 +72,10 @@ class PagedContext:
         loop_view: PagedPlaneView | None,
         outer_view: PagedPlaneView | None,
         chunks: PrefillChunks | None = None,
+        fused_rotary: bool = False,
     ) -> None:
         self._storage = storage
+        self._fused_rotary = fused_rotary and chunks is None
         self._backend = backend
         self._context_lens = (positions + 1).to(torch.int32) if chunks is None else None
         self._loop_view = loop_view
@@ -80,7 +92,14 @@ class PagedContext:
 
     def attend_rotary(self, layer: LayerId, qkv: torch.Tensor, rope: Rotary, *,
                       out: torch.Tensor | None = None) -> torch.Tensor:
-        """`attend` with q/k rotated in the K/V write's launch (the backend's write_kv_rotary)."""
+        """`attend` with q/k rotated in the K/V write's launch (the backend's write_kv_rotary), or with
+        `fused_rotary` in the attention's launch too (the backend's paged_attention_rotary)."""
+        if self._fused_rotary:
+            view = self._view(layer)
+            k_cache, v_cache = self._storage.caches(layer.index)
+            return self._backend.paged_attention_rotary(qkv, rope, k_cache, v_cache, view.block_tables,
+                                                        self._context_lens, rope.head_dim ** -0.5, out=out)
+
         def write_qkv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
             return self._backend.write_kv_rotary(k_cache, v_cache, qkv, rope, slots)
 

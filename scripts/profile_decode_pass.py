@@ -26,6 +26,10 @@ The PDL path packs its own copy of the q|k|v and gate|up weights (a second Fused
 that won in a `scripts/bench_linear.py --sweep --json FILE` run, compared with `fused` the same way.
 `--cublas-path` adds `fused-cublas`: the fused path with plain launches and no Triton GEMV tier
 (every GEMM on cuBLAS, as before the strip GEMVs), compared with `fused` the same way.
+`--rotary-attention` adds `fused-rotary-attention`: the last --pdl path with the runner's decode
+batches rotating q and k and writing k and v in the attention's launch (triton_backend's
+paged_attention_rotary, RunnerConfig.fused_rotary_attention): one launch a layer fewer, compared
+with that path (bit-equal expected: the same arithmetic).
 `--epilogue-paths` adds three paths under the last --pdl launch, each compared with that path:
 `fused-swiglu` (gate|up's strip applies SwiGLU too: StripConfig(2, 4), ouro_fused.STRIP_SWIGLU_SETTINGS;
 bit-equal where that path's gate|up is a strip too: Ouro-1.4B's shapes at one row), and
@@ -68,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also time the fused path with the winning split-K settings of this bench_linear sweep JSON")
     p.add_argument("--cublas-path", action="store_true",
                    help="also time the fused path with every GEMM on cuBLAS (no strip or split-K GEMVs)")
+    p.add_argument("--rotary-attention", action="store_true",
+                   help="add fused-rotary-attention (RoPE and the K/V write in the attention's launch)")
     p.add_argument("--epilogue-paths", action="store_true",
                    help="add fused-swiglu, fused-rotary-n1 and fused-rotary-n2 (epilogue strips; see the docstring)")
     p.add_argument("--top", type=int, default=0, help="print the N kernel names with the most GPU time per path")
@@ -120,6 +126,10 @@ class Setup:
             settings = winning_settings(json.loads(Path(args.splitk).read_text()))
             print(f"fused-splitk: {len(settings)} weights on split-K: {settings}")
             paths.append(("fused-splitk", FusedOuroModel(self.reference, PLAIN, splitk=settings), PLAIN))
+        fused_rotary = {ROTARY_ATTENTION_PATH} if args.rotary_attention else set()
+        if args.rotary_attention:
+            _, launch = fused[-1]
+            paths.append((ROTARY_ATTENTION_PATH, FusedOuroModel(self.reference, launch), launch))
         if args.epilogue_paths:
             _, launch = fused[-1]
             paths += [(name, FusedOuroModel(self.reference, launch, **settings), launch)
@@ -128,17 +138,20 @@ class Setup:
             paths.append(("fused-cublas", FusedOuroModel(self.reference, PLAIN, splitk={}, strip={}), PLAIN))
         planes = num_planes(info, "last_exited", self.depth)
         # The attention backend launches as the worker's does: a fused model's row-bounded launch.
-        self.runners = {name: self._runner(model, model.kernel_launch(launch), planes, max_rows, num_blocks)
+        self.runners = {name: self._runner(model, model.kernel_launch(launch), planes, max_rows, num_blocks,
+                                           fused_rotary=name in fused_rotary)
                         for name, model, launch in paths}
         state = torch.randn(max_rows, info.hidden_size, generator=gen, device=device, dtype=torch.float32)
         with torch.inference_mode():
             self.state0 = self.reference.model.norm(state.to(dtype))  # a loop's input is a normed state
 
-    def _runner(self, model, launch: KernelLaunch, planes: int, max_rows: int, num_blocks: int) -> ModelRunner:
+    def _runner(self, model, launch: KernelLaunch, planes: int, max_rows: int, num_blocks: int,
+                fused_rotary: bool) -> ModelRunner:
         cuda = self.device.type == "cuda"
         config = RunnerConfig(kv_layout="last_exited", max_depth=self.depth, num_planes=planes, max_slots=max_rows,
                               attention_backend="triton", state_init="random", scratch_block=num_blocks,
-                              cuda_graphs=cuda, graph_capture="lazy", kernel_launch=launch)
+                              cuda_graphs=cuda, graph_capture="lazy", kernel_launch=launch,
+                              fused_rotary_attention=fused_rotary)
         runner = ModelRunner(model, self.storage, config)
         if not cuda:
             runner.use_pass_graphs(emulate=True)
@@ -166,6 +179,7 @@ class Setup:
         return key, graphs._graphs[key]
 
 
+ROTARY_ATTENTION_PATH = "fused-rotary-attention"
 EPILOGUE_PATHS = ("fused-swiglu", "fused-rotary-n1", "fused-rotary-n2")
 
 
@@ -305,6 +319,7 @@ def main(args: argparse.Namespace) -> dict:
         comparisons += [(_fused_path(setup), "fused-cublas")] if args.cublas_path else []
         last_fused = {"off": "fused", "on": "fused-pdl", "both": "fused-pdl"}[args.pdl]
         comparisons += [(last_fused, name) for name in EPILOGUE_PATHS] if args.epilogue_paths else []
+        comparisons += [(last_fused, ROTARY_ATTENTION_PATH)] if args.rotary_attention else []
         for rows in rows_list:
             outs = {name: setup.run_pass(name, rows, args.context) for name in setup.runners}
             report["parity"].extend({"pair": f"{b} vs {a}", "dtype": dtype_name, "rows": rows,

@@ -211,10 +211,53 @@ def check_fused_loop_paged(dtype: torch.dtype, model_name: str = "toy-ouro") -> 
             torch.testing.assert_close(state, want[loop], **LOOP_TOL[dtype], msg=lambda m, i=loop: f"loop {i}: {m}")
 
 
-def check_engine_float64() -> None:
+def check_fused_loop_decode_batch(dtype: torch.dtype) -> None:
+    """A decode batch (three sequences, one row each, over caches of random K/V) through FusedOuroModel:
+    with PagedContext's fused_rotary (paged_attention_rotary: RoPE, the K/V write and the attention in
+    one launch) every state and cache bit for bit those of the two launches, over 3 loops, and within
+    LOOP_TOL of OuroModel.loop through attend."""
+    from rlt_worker.kv_storage import KVStorage
+    from rlt_worker.models.loader import load_model
+    from rlt_worker.models.ouro_fused import FusedOuroModel
+    from rlt_worker.paged_context import PagedContext, PagedPlaneView
+
+    reference = load_model("toy-ouro", dtype=dtype, device="cpu")
+    fused = FusedOuroModel(reference)
+    info, block_size = reference.info, 4
+    gen = torch.Generator().manual_seed(13)
+    positions = torch.tensor([6, 2, 9])
+    tables = torch.tensor([[4, 0, 7], [2, 5, 6], [8, 1, 3]], dtype=torch.int32)  # each row its own blocks
+    pool = torch.randn(KVStorage(info, 9, block_size, dtype, "cpu").pool.shape, generator=gen, dtype=dtype)
+
+    def run(model, fused_rotary: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        storages = [KVStorage(info, 9, block_size, dtype, "cpu") for _ in range(3)]
+        state = embedded = torch.randn(3, info.hidden_size, generator=torch.Generator().manual_seed(1), dtype=dtype)
+        states = []
+        for storage in storages:
+            storage.pool.copy_(pool)
+            ctx = PagedContext(storage, tb, positions, PagedPlaneView(tables, positions, block_size), None,
+                               fused_rotary=fused_rotary)
+            state = model.loop(state, embedded, positions, ctx)
+            states.append(state)
+        return states, [s.pool for s in storages]
+
+    with torch.inference_mode():
+        want_states, want_pools = run(fused, False)
+        states, pools = run(fused, True)
+        assert all(torch.equal(a, b) for a, b in zip(states, want_states, strict=True)), "states"
+        assert all(torch.equal(a, b) for a, b in zip(pools, want_pools, strict=True)), "caches"
+        ref_states, ref_pools = run(reference, True)  # OuroModel attends through attend: fused_rotary unused
+        for got, want in zip(states + pools, ref_states + ref_pools, strict=True):
+            torch.testing.assert_close(got, want, **LOOP_TOL[dtype])
+
+
+def check_engine_float64(attention_backend: str = "torch", fused_rotary: bool = False) -> None:
     """toy-ouro, float64, trace: the fused loop under emulated pass graphs gives the dense reference's
-    tokens and exit depths exactly."""
+    tokens and exit depths exactly (with the Triton backend's interpreter kernels and fused_rotary: the
+    decode batches' RoPE, K/V write and attention in one launch)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from dataclasses import replace
+
     from factories import assert_matches_reference, make_llm, make_workload, run_workload
 
     from rlt_worker.models.ouro_fused import FusedOuroModel, with_fused_layers
@@ -222,8 +265,10 @@ def check_engine_float64() -> None:
     torch.set_num_threads(1)
     jobs = make_workload(random.Random("fused-engine"), 5, depth=4, exit_mode="trace", max_prompt_len=10,
                          max_tokens=5, spread=1, sampling=("greedy", "temperature"))
-    with make_llm("toy-ouro", exit_mode="trace", max_num_seqs=4, loops_per_plan=4) as llm:
+    with make_llm("toy-ouro", exit_mode="trace", max_num_seqs=4, loops_per_plan=4,
+                  attention_backend=attention_backend) as llm:
         runner = llm.engine.executor._worker.runner
+        runner.config = replace(runner.config, fused_rotary_attention=fused_rotary)
         runner.model = with_fused_layers(runner.model)
         assert isinstance(runner.model, FusedOuroModel)
         runner.use_pass_graphs(emulate=True)
@@ -243,7 +288,10 @@ INTERP_CASES: dict[str, Callable[[], None]] = {
     **{f"loop-{str(d)[6:]}": functools.partial(check_fused_loop, d) for d in (torch.float32, torch.float64)},
     **{f"loop-paged-{str(d)[6:]}": functools.partial(check_fused_loop_paged, d)
        for d in (torch.float32, torch.float64)},
+    **{f"loop-decode-batch-{str(d)[6:]}": functools.partial(check_fused_loop_decode_batch, d)
+       for d in (torch.float32, torch.float64)},
     "engine-float64": check_engine_float64,
+    "engine-float64-triton-fused-rotary": functools.partial(check_engine_float64, "triton", True),
 }
 
 

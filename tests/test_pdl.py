@@ -1,7 +1,7 @@
 """Programmatic dependent launch of the decode pass's Triton kernels (rlt_worker/kernels/launch.py).
 
 CPU: the switch resolves to plain launches wherever PDL cannot run (the CPU, the interpreter, the
-torch backend, a config that asks for none), and each of the five kernels compiled for sm_90 by
+torch backend, a config that asks for none), and each of the six kernels compiled for sm_90 by
 Triton's own compiler (no GPU needed: PTX through the bundled ptxas) orders its PTX as the PDL
 contract says: one griddepcontrol.wait, launch_dependents right after it, every store after it,
 and before it no global load but add + RMSNorm's norm weights and the attention's context length and
@@ -102,11 +102,14 @@ KERNELS: dict[str, tuple[Callable[..., object], dict, dict, dict]] = {
              {"pos_ptr": "*i64", "slot_ptr": "*i64"}, dict(num_warps=4, enable_fp_fusion=False)),
     "swiglu": (fused_ops._swiglu_kernel, dict(BLOCK=1024, F64=False, LIBDEVICE=True), {},
                dict(num_warps=4, enable_fp_fusion=False)),
-    "attention": (tb._attn_kernel,
-                  dict(GROUP=1, GROUP_PAD=16, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, TILE=64, NUM_SPLITS=8,
-                       USE_DOT=True, DOT_PRECISION=None, ACC_F64=False, LINES=2, LINE_ELEMS=64),
-                  {"bt_ptr": "*i32", "ctx_ptr": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
-                   "qk_scale": "fp32", "scale_ptr": "*fp64"}, dict(num_warps=4, num_stages=3)),
+    **{name: (tb._attn_kernel,
+              dict(GROUP=1, GROUP_PAD=16, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, TILE=64, NUM_SPLITS=8,
+                   USE_DOT=True, DOT_PRECISION=None, ACC_F64=False, LINES=2, LINE_ELEMS=64, ROTARY=rotary,
+                   Q_HEADS=16),
+              {"bt_ptr": "*i32", "ctx_ptr": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
+               "qk_scale": "fp32", "scale_ptr": "*fp64", "pos_ptr": "*i64"},
+              dict(num_warps=4, num_stages=3, enable_fp_fusion=False))
+       for name, rotary in (("attention", False), ("attention_rotary", True))},
     "merge": (tb._merge_kernel, dict(HEAD_DIM=128, D_PAD=128, NUM_SPLITS=8, S_PAD=8, ACC_F64=False),
               {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"}, {}),
 }
@@ -189,9 +192,9 @@ def test_pdl_kernels_wait_before_reading_activations_and_before_storing(compiled
     if name == "add_rmsnorm":
         # w_a and w_b before the wait, x and h (as wide) after it.
         assert len(before) == after.count("ld.global") > 0, (before, after)
-    elif name == "attention":
+    elif name.startswith("attention"):
         # The context length and the block table (addresses only), then the first tile's K and V lines
-        # asked of the L2; q, K and V themselves after the wait.
+        # asked of the L2; q (or q|k|v, the positions and the rope table), K and V themselves after the wait.
         assert before == ["ld.global"] * 2 + ["prefetch.global.L2"] * 2, before
     else:
         assert before == [], before

@@ -92,6 +92,53 @@ def check(batch: dict[str, torch.Tensor], atol: float, rtol: float, **kwargs: in
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
 
 
+def make_decode_batch(
+    *, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, seq_lens: list[int],
+    dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
+) -> dict:
+    """A decode batch for paged_attention_rotary: one row a sequence (its token at its last position,
+    context its length), each over its own shuffled blocks of a strided cache view pre-filled with
+    random K/V, and packed q|k|v rows with a rope table."""
+    from rlt_worker.kernels.fused_ops import rope_table
+    from rlt_worker.models.base import Rotary
+
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-n // block_size) for n in seq_lens) + 1  # a spare column: tables wider than any row
+    num_blocks = len(seq_lens) * max_blocks + 3
+    pool = torch.randn(num_blocks, 2, 2, block_size, num_kv_heads, head_dim, generator=gen, dtype=torch.float64)
+    pool = pool.to(dtype).to(device).permute(1, 2, 0, 3, 4, 5)  # block-major: strided cache views
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.stack([perm[i * max_blocks : (i + 1) * max_blocks] for i in range(len(seq_lens))])
+    context_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    qkv = torch.randn(len(seq_lens), (num_heads + 2 * num_kv_heads) * head_dim, generator=gen, dtype=torch.float64)
+    cos, sin = rope_table(max(seq_lens) + 8, head_dim, 10000.0, dtype, device)
+    positions = (context_lens - 1).long().to(device)
+    return dict(qkv=qkv.to(dtype).to(device), rope=Rotary(positions, cos, sin, num_heads, num_kv_heads, head_dim),
+                k_cache=pool[1, 0], v_cache=pool[1, 1], block_tables=tables.to(torch.int32).to(device),
+                context_lens=context_lens.to(device))
+
+
+def check_rotary(batch: dict, atol: float, rtol: float, **kwargs: int) -> None:
+    """paged_attention_rotary equals write_kv_rotary then paged_attention bit for bit (output and both
+    caches), and torch_ref's composition within tolerance."""
+    from rlt_worker.kernels.fused_ops import write_kv_rotary
+
+    scale = batch["rope"].head_dim ** -0.5
+    rows = torch.arange(len(batch["context_lens"]), device=batch["qkv"].device)
+    pos, block_size = batch["rope"].positions, batch["k_cache"].shape[1]
+    slots = batch["block_tables"].long()[rows, pos // block_size] * block_size + pos % block_size
+    caches = {name: (batch["k_cache"].clone(), batch["v_cache"].clone()) for name in ("two", "one", "ref")}
+    q = write_kv_rotary(*caches["two"], batch["qkv"], batch["rope"], slots)
+    want = tb.paged_attention(q, *caches["two"], batch["block_tables"], batch["context_lens"], scale, **kwargs)
+    args = (batch["block_tables"], batch["context_lens"], scale)
+    got = tb.paged_attention_rotary(batch["qkv"], batch["rope"], *caches["one"], *args, **kwargs)
+    assert torch.equal(got, want), (got.double() - want.double()).abs().max()
+    assert all(torch.equal(a, b) for a, b in zip(caches["one"], caches["two"], strict=True)), "caches"
+    ref = torch_ref.paged_attention_rotary(batch["qkv"], batch["rope"], *(c.contiguous() for c in caches["ref"]),
+                                           *args)
+    torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
+
+
 # ---- CPU, interpreter: tiny shapes, in a subprocess ------------------------------------------
 # Triton's interpreter only works when TRITON_INTERPRET=1 is set before triton is imported (the
 # tl.* helpers are jitted at import), and pytest may have imported it already: so these cases run
@@ -129,6 +176,14 @@ def _interp_out_rows() -> None:
         got = tb.paged_attention(**batch, scale=scale, num_splits=splits, out=around[2 : 2 + n])
         assert got.data_ptr() == around[2].data_ptr() and torch.equal(got, want)
         assert around[:2].isnan().all() and around[2 + n :].isnan().all()
+
+
+def _interp_rotary(hq: int, hkv: int, dh: int, bs: int, lens: list[int], dtype: torch.dtype = torch.float32,
+                   **kwargs: int) -> None:
+    """paged_attention_rotary: the two launches' bits (check_rotary), single and split."""
+    atol = 1e-12 if dtype == torch.float64 else 1e-5
+    check_rotary(make_decode_batch(num_heads=hq, num_kv_heads=hkv, head_dim=dh, block_size=bs, seq_lens=lens,
+                                   dtype=dtype), atol=atol, rtol=atol, **kwargs)
 
 
 def _interp_write_kv() -> None:
@@ -198,6 +253,9 @@ INTERP_CASES: dict[str, Callable[[], None]] = {
 } | {
     # Huginn's 55 heads (odd) × 96 (padded to 128), contiguous only: 55 heads make the interpreter slow
     "huginn-55h-d96": functools.partial(_interp_attention, 55, 55, 96, 16, 2, [18], False),
+    "rotary-gqa-d16-b4": functools.partial(_interp_rotary, 4, 2, 16, 4, [1, 7, 40, 13]),
+    "rotary-mha-split3": functools.partial(_interp_rotary, 4, 4, 32, 16, [5, 38, 17], num_splits=3, tile=16),
+    "rotary-float64-split2": functools.partial(_interp_rotary, 4, 2, 16, 4, [9, 21], torch.float64, num_splits=2),
     "float64": _interp_float64, "out-rows": _interp_out_rows, "write_kv": _interp_write_kv,
     "finalize_kv": _interp_finalize_kv,
 }
@@ -386,6 +444,18 @@ def test_gpu_cuda_graph_replay(compiled: None) -> None:
     graph.replay()
     want = torch_ref.paged_attention(**batch, scale=scale)
     torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype,atol,rtol", [(torch.bfloat16, 2e-2, 2e-2), (torch.float32, 2e-5, 2e-5)])
+@pytest.mark.parametrize("rows", [1, 32])
+def test_gpu_rotary_ouro_shapes(compiled: None, dtype: torch.dtype, atol: float, rtol: float, rows: int) -> None:
+    """paged_attention_rotary at Ouro-1.4B's heads, 1 row (the split path) and 32: bit for bit the RoPE
+    launch then paged_attention, auto and 4 splits."""
+    batch = make_decode_batch(**OURO, seq_lens=ouro_lens(4 * rows, seed=rows), dtype=dtype, device="cuda")
+    check_rotary(batch, atol=atol, rtol=rtol)
+    check_rotary(batch, atol=atol, rtol=rtol, num_splits=4)
 
 
 @gpu

@@ -1,10 +1,11 @@
 """Attention backends: `torch` (CPU path and oracle) and `triton` (CUDA default).
 
-A backend module provides write_kv, write_kv_rotary, paged_attention, prefill_attention and
-finalize_kv with the signatures of torch_ref (the Triton prefill kernel lives in triton_prefill, the
-Triton write_kv_rotary in kernels/fused_ops, beside the RoPE kernel it shares). The Triton backend
-under a PDL launch (kernels/launch.py) is a namespace of the same five, its decode pass's kernels
-(the rotating K/V write, the attention, the split merge) bound to that launch.
+A backend module provides write_kv, write_kv_rotary, paged_attention, paged_attention_rotary,
+prefill_attention and finalize_kv with the signatures of torch_ref (the Triton prefill kernel lives
+in triton_prefill, the Triton write_kv_rotary in kernels/fused_ops, beside the RoPE kernel it
+shares). The Triton backend
+under a PDL launch (kernels/launch.py) is a namespace of the same six, its decode pass's kernels
+(the rotating K/V write, the attentions, the split merge) bound to that launch.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def _launched(backend: ModuleType, launch: KernelLaunch) -> SimpleNamespace:
         write_kv=backend.write_kv,
         write_kv_rotary=functools.partial(backend.write_kv_rotary, launch=launch),
         paged_attention=functools.partial(backend.paged_attention, launch=launch),
+        paged_attention_rotary=functools.partial(backend.paged_attention_rotary, launch=launch),
         prefill_attention=backend.prefill_attention,
         finalize_kv=backend.finalize_kv,
     )

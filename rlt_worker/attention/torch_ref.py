@@ -83,6 +83,27 @@ def paged_attention(
     return out.copy_(result)
 
 
+def paged_attention_rotary(
+    qkv: torch.Tensor,
+    rope: Rotary,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """write_kv_rotary of packed q|k|v rows at each row's slot at rope.positions[i] (block_tables[i]'s),
+    then paged_attention of the rotated q: a decode batch's write and attention in one call."""
+    block_size = k_cache.shape[1]
+    positions = rope.positions.long()
+    rows = torch.arange(len(positions), device=positions.device)
+    slots = block_tables.long()[rows, positions // block_size] * block_size + positions % block_size
+    q = write_kv_rotary(k_cache, v_cache, qkv, rope, slots)
+    return paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out=out)
+
+
 def check_out(out: torch.Tensor, q: torch.Tensor) -> None:
     """An attention's `out` must be q's shape and dtype, on q's device."""
     if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:

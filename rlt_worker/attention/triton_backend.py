@@ -43,6 +43,7 @@ import torch
 from rlt_worker.attention import torch_ref
 from rlt_worker.kernels.launch import PLAIN, KernelLaunch
 from rlt_worker.kernels.launch import interpreting as _interpreting
+from rlt_worker.models.base import Rotary
 
 try:  # Triton is a dependency, but keep the import from failing where no wheel exists.
     import triton
@@ -52,7 +53,7 @@ except ImportError:  # pragma: no cover - exercised only without Triton
     triton = None
     tl = None
 
-__all__ = ["finalize_kv", "paged_attention", "write_kv"]
+__all__ = ["finalize_kv", "paged_attention", "paged_attention_rotary", "write_kv"]
 
 _LOG2E = 1.4426950408889634
 # One line to the L2 per pointer (PTX prefetch), and a dummy result: inline asm must return a value.
@@ -63,7 +64,7 @@ _MIN_SPLIT_TOKENS = 128
 
 def _attn_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
-    qk_scale, scale_ptr,
+    qk_scale, scale_ptr, pos_ptr, cos_ptr, sin_ptr, stride_cos,
     stride_qn, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -73,9 +74,16 @@ def _attn_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_F64: tl.constexpr, PDL: tl.constexpr,
-    LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
+    LINES: tl.constexpr, LINE_ELEMS: tl.constexpr, ROTARY: tl.constexpr, Q_HEADS: tl.constexpr,
 ):
     """One (row, kv head, split): online-softmax attention of the head group over its token span.
+
+    ROTARY: q_ptr is the rows' packed q|k|v (Q_HEADS q heads, then the k heads, then the v heads).
+    Every program rotates its q heads and its kv head's k at the row's position pos (pos_ptr, the
+    cos/sin table rows; fused_ops._rope_qk_kernel's arithmetic). The tile that holds pos takes this
+    pass's k and v there from registers, and the program whose span holds pos stores them at pos's
+    slot after its loop: what a separate write then this attention would read and store, provided
+    no other row of the batch reads pos (each row its own sequence).
 
     PDL (kernels/launch.py): q is the predecessor's (the rotating K/V write's) output, and so is the
     K/V at the rows' own positions, so every load the attention uses comes after the wait. Before it
@@ -96,7 +104,8 @@ def _attn_kernel(
     d_ok = d < HEAD_DIM
     heads = kv_head * GROUP + g
 
-    q_ptrs = q_ptr + row * stride_qn + heads[:, None] * stride_qh + d[None, :] * stride_qd
+    q_row = q_ptr + row * stride_qn
+    q_ptrs = q_row + heads[:, None] * stride_qh + d[None, :] * stride_qd
     if PDL:
         # The first tile's K and V lines to the L2 (LINES lines of LINE_ELEMS elements a token's head);
         # tokens past the span point at the pool's first line (valid memory, never used).
@@ -114,7 +123,23 @@ def _attn_kernel(
         gdc_wait()
         gdc_launch_dependents()
     # Padded heads/dims load as 0: their scores are finite and never stored.
-    q = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    q_ok = g_ok[:, None] & d_ok[None, :]
+    if ROTARY:
+        pos = tl.load(pos_ptr + row).to(tl.int64)
+        half = HEAD_DIM // 2
+        partner = tl.where(d < half, d + half, d - half)  # rotate_half's source of each dimension
+        sign = tl.where(d < half, -1.0, 1.0)
+        cos = tl.load(cos_ptr + pos * stride_cos + d % half, mask=d_ok, other=0.0)
+        sin = tl.load(sin_ptr + pos * stride_cos + d % half, mask=d_ok, other=0.0)
+        q = rotate_half(q_ptrs, q_row + heads[:, None] * stride_qh + partner[None, :] * stride_qd, q_ok,
+                        cos[None, :], sin[None, :], sign[None, :], ACC_F64)
+        kv = (Q_HEADS + kv_head) * stride_qh
+        k_new = rotate_half(q_row + kv + d * stride_qd, q_row + kv + partner * stride_qd, d_ok, cos, sin, sign,
+                            ACC_F64)
+        v_new = tl.load(q_row + (Q_HEADS + tl.num_programs(1) + kv_head) * stride_qh + d * stride_qd, mask=d_ok)
+        k_new, v_new = k_new.to(k_ptr.dtype.element_ty), v_new.to(v_ptr.dtype.element_ty)
+    else:
+        q = tl.load(q_ptrs, mask=q_ok, other=0.0)
     if not USE_DOT:
         q = q.to(acc_dtype)
     if ACC_F64:
@@ -146,6 +171,10 @@ def _attn_kernel(
         # other=0: stale slots past the context may hold NaN/inf, and 0·NaN would poison the dot.
         k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
         v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
+        if ROTARY:  # the row's own position: this pass's k and v (the cache still holds the old ones)
+            here = (t == pos)[:, None]
+            k = tl.where(here, k_new[None, :], k)
+            v = tl.where(here, v_new[None, :], v)
 
         if USE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [GROUP_PAD, TILE] fp32
@@ -169,6 +198,12 @@ def _attn_kernel(
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(acc_dtype)[None, :, :], axis=1)
         m_i = m_new
 
+    if ROTARY:  # pos's k and v into the cache, by the program whose span holds pos (after its reads)
+        writer = d_ok & (d * 0 + split == pos // split_tokens)
+        blk = tl.load(bt_ptr + row * stride_btn + (pos // BLOCK_SIZE) * stride_btb).to(tl.int64)
+        off = pos % BLOCK_SIZE
+        tl.store(k_ptr + blk * stride_kb + off * stride_ks + kv_head * stride_kh + d * stride_kd, k_new, mask=writer)
+        tl.store(v_ptr + blk * stride_vb + off * stride_vs + kv_head * stride_vh + d * stride_vd, v_new, mask=writer)
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
         o_ptrs = out_ptr + row * stride_on + heads[:, None] * stride_oh + d[None, :] * stride_od
@@ -180,6 +215,21 @@ def _attn_kernel(
         tl.store(m_ptr + ml_off, m_i, mask=g_ok)
         tl.store(l_ptr + ml_off, l_i, mask=g_ok)
         tl.store(acc_ptr + ml_off[:, None] * D_PAD + d[None, :], acc, mask=g_ok[:, None])
+
+
+def _rotate_half(x_ptrs, partner_ptrs, mask, c, s, sign, F64: tl.constexpr):
+    """x·cos + rotate_half(x)·sin at x_ptrs (partner_ptrs: each element's rotate_half source, sign its
+    sign), every op rounded to x's dtype: fused_ops._rope_qk_kernel's arithmetic, element for element."""
+    dtype = x_ptrs.dtype.element_ty
+    cdt = tl.float64 if F64 else tl.float32
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(cdt)
+    x_partner = tl.load(partner_ptrs, mask=mask, other=0.0).to(cdt)
+    return ((x * c.to(cdt)).to(dtype).to(cdt) + (sign * x_partner * s.to(cdt)).to(dtype).to(cdt)).to(dtype)
+
+
+# A device function, jitted at import in the mode Triton is in then (tests/interp.py: an interpreter
+# process sets TRITON_INTERPRET before it imports Triton).
+rotate_half = triton.jit(_rotate_half) if triton is not None else None
 
 
 def _merge_kernel(
@@ -339,18 +389,73 @@ def paged_attention(
     the attention kernel and the split merge are launched (PDL or not). out: where to write the
     result (q's shape and dtype, any row stride; returned), else a new tensor.
     """
-    num_rows, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, kv_dim = k_cache.shape
+    _check_attention(q.shape, q.dtype, k_cache, v_cache, block_tables, context_lens)
+    _check_device(q, k_cache, v_cache, block_tables, context_lens)
+    return _attend(q, q.stride(), None, k_cache, v_cache, block_tables, context_lens, scale, _output(q, out),
+                   num_splits, tile, launch)
+
+
+def paged_attention_rotary(
+    qkv: torch.Tensor,
+    rope: Rotary,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    tile: int | None = None,
+    launch: KernelLaunch = PLAIN,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """torch_ref.paged_attention_rotary in one launch: packed q|k|v rows [N, (Hq + 2·Hkv)·Dh] rotated
+    by `rope`, k and v stored at each row's slot at rope.positions[i] (its block table's), and the
+    rotated q's attention (q [N, Hq, Dh], into `out` when given); bit for bit
+    fused_ops.write_kv_rotary then paged_attention.
+
+    The rows must be independent: no row's context holds a position another row of the batch writes
+    (a decode batch, one row a sequence), since each row's write is seen only by its own programs.
+    Arguments as write_kv_rotary's and paged_attention's.
+    """
+    num_rows, num_heads, head_dim = qkv.shape[0], rope.num_heads, rope.head_dim
+    if qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.shape[1] != (num_heads + 2 * rope.num_kv_heads) * head_dim \
+            or head_dim % 2 or rope.positions.shape != (num_rows,) or k_cache.shape[2] != rope.num_kv_heads:
+        raise ValueError(f"qkv {tuple(qkv.shape)} is not q|k|v rows of {num_heads}+2×{rope.num_kv_heads} heads of "
+                         f"{head_dim} (unit column stride) with positions {tuple(rope.positions.shape)}")
+    if rope.cos.shape != rope.sin.shape or rope.cos.shape[1:] != (head_dim // 2,) or rope.cos.stride(1) != 1 \
+            or rope.sin.stride() != rope.cos.stride():
+        raise ValueError(f"cos/sin must be one rope_table pair [max_positions, {head_dim // 2}]")
+    q_shape = (num_rows, num_heads, head_dim)
+    _check_attention(q_shape, qkv.dtype, k_cache, v_cache, block_tables, context_lens)
+    _check_device(qkv, rope.positions, rope.cos, rope.sin, k_cache, v_cache, block_tables, context_lens)
+    q_like = torch.empty(q_shape, dtype=qkv.dtype, device=qkv.device)  # the rotated q's shape: out's
+    return _attend(qkv, (qkv.stride(0), head_dim, 1), rope, k_cache, v_cache, block_tables, context_lens, scale,
+                   _output(q_like, out), num_splits, tile, launch)
+
+
+def _check_attention(q_shape: tuple[int, ...], dtype: torch.dtype, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
+    num_rows, num_heads, head_dim = q_shape
+    num_kv_heads, kv_dim = k_cache.shape[2:]
     if v_cache.shape != k_cache.shape or kv_dim != head_dim:
-        raise ValueError(f"cache shapes {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not fit q {tuple(q.shape)}")
+        raise ValueError(f"cache shapes {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not fit q {tuple(q_shape)}")
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
     if block_tables.dim() != 2 or block_tables.shape[0] != num_rows or context_lens.shape != (num_rows,):
         raise ValueError("block_tables must be [N, max_blocks] and context_lens [N]")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"dtype mismatch: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
-    _check_device(q, k_cache, v_cache, block_tables, context_lens)
-    out = _output(q, out)
+    if k_cache.dtype != dtype or v_cache.dtype != dtype:
+        raise ValueError(f"dtype mismatch: q {dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+
+
+def _attend(
+    q: torch.Tensor, q_strides: tuple[int, int, int], rope: Rotary | None, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, out: torch.Tensor,
+    num_splits: int | None, tile: int | None, launch: KernelLaunch,
+) -> torch.Tensor:
+    """The attention launch (and the split merge) of checked arguments; q is q|k|v rows when rope is given."""
+    num_rows, num_heads, head_dim = out.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if num_rows == 0:
         return out
     context_lens = context_lens.to(torch.int32)  # no-op (no copy) when already int32
@@ -381,17 +486,21 @@ def paged_attention(
         m = l = acc = out  # unused by the single-split kernel
     # fp64 reads its scale (natural-log domain) from a tensor; a fill kernel, so graph capture still works.
     scale_t = torch.full((1,), float(scale), dtype=torch.float64, device=q.device) if f64 else out
+    # Without rope the kernel never reads the rotary arguments (ROTARY is a constexpr).
+    positions, cos, sin = (rope.positions, rope.cos, rope.sin) if rope is not None else (context_lens, out, out)
 
     _kernel(_attn_kernel)[(num_rows, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, m, l, acc,
-        float(scale) * _LOG2E, scale_t,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
+        float(scale) * _LOG2E, scale_t, positions, cos, sin, cos.stride(0) if rope is not None else 0,
+        *q_strides, *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         split_tokens,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, TILE=tile, NUM_SPLITS=splits,
         USE_DOT=use_dot, DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, ACC_F64=f64,
+        ROTARY=rope is not None, Q_HEADS=num_heads,
         **_prefetch_lines(head_dim, k_cache.element_size()),
-        **launch.kwargs(num_rows, num_warps=4, num_stages=3),
+        # No FMA contraction: the rotation rounds each op as fused_ops' RoPE kernel does.
+        **launch.kwargs(num_rows, num_warps=4, num_stages=3, enable_fp_fusion=False),
     )
     if splits > 1:
         _kernel(_merge_kernel)[(num_rows, num_heads)](
