@@ -102,6 +102,12 @@ class RefillBuffers:
         self.outputs = torch.zeros(2, rows, MAX_PASSES + 1, dtype=torch.long, device=device)  # tokens, depths
         self.logprobs = torch.zeros(rows, MAX_PASSES + 1, dtype=torch.float64, device=device)
         self.alive = torch.zeros((), dtype=torch.bool, device=device)
+        # Pass p's copy of `alive` (pinned, and the event after its copy on CUDA), allocated once: a
+        # plan's host loop reads pass p's only within its run_passes, before the next plan's pass p
+        # writes it (stream order), so one flag per pass index serves every plan.
+        cuda = device.type == "cuda"
+        self.alive_host = torch.zeros(MAX_PASSES, dtype=torch.bool, pin_memory=cuda)
+        self.alive_copied = [torch.cuda.Event() for _ in range(MAX_PASSES)] if cuda else None
         self.row_index = torch.arange(rows, device=device)
         self.boundary_slots = torch.zeros(2, rows, dtype=torch.long, device=device)  # ColumnSteps.after_sample
         self.carried = torch.tensor([[POSITIONS], [DEPTHS], [INDICES], [FINISHED]], device=device)  # see _carry
@@ -400,7 +406,7 @@ class DeviceRefill:
                 runner.ride_refill_pass(self.riding.graph.replay, self.riding.chunks, len(self.looping), bucket)
             else:
                 self.graph.replay()
-            alive.append(self._running_flag())
+            alive.append(self._running_flag(p))
         slots = rows.slots[self.looping]
         runner.refill_resident = ResidentRows(self.buffers, slots, runner.decode_cursors.epochs[slots].copy(),
                                               self.exit_test, self.position_bound + len(alive))
@@ -412,15 +418,16 @@ class DeviceRefill:
         return self.runner.copy_out(b.columns[:, :n], b.outputs[:, :n], b.logprobs[:n],
                                     self.runner.decode_cursors.exit_values[device_slots, EXIT_STATE])
 
-    def _running_flag(self) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Whether any row still runs after this pass, copied out without waiting (CUDA: pinned + event)."""
-        if self.runner.device.type != "cuda":
-            return self.buffers.alive.clone(), None
-        host = torch.empty((), dtype=torch.bool, pin_memory=True)
-        host.copy_(self.buffers.alive, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
+    def _running_flag(self, p: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Whether any row still runs after pass p, copied out without waiting (CUDA: into pass p's
+        pinned flag, then its event)."""
+        b = self.buffers
+        host = b.alive_host[p]
+        host.copy_(b.alive, non_blocking=b.alive_copied is not None)
+        if b.alive_copied is None:
+            return host, None
+        b.alive_copied[p].record()
+        return host, b.alive_copied[p]
 
     @staticmethod
     def _may_run(flag: torch.Tensor, event: torch.cuda.Event | None, waits: bool) -> bool:

@@ -177,10 +177,11 @@ def test_a_plan_ends_with_passes_queued(max_tokens: int, monkeypatch: pytest.Mon
         replayed.append(0)
         run_passes(self, rows)
 
-    def unlanded_flag(self: DeviceRefill) -> tuple[torch.Tensor, _UnlandedFlag]:
-        flag, _ = running_flag(self)
+    def unlanded_flag(self: DeviceRefill, p: int) -> tuple[torch.Tensor, _UnlandedFlag]:
+        flag, _ = running_flag(self, p)
         replayed[-1] += 1
-        return flag, _UnlandedFlag(plans[-1][1], replayed[-1] - 1)
+        assert p == replayed[-1] - 1 and flag.data_ptr() == self.buffers.alive_host[p].data_ptr()  # no allocation
+        return flag, _UnlandedFlag(plans[-1][1], p)
 
     params = SamplingParams(max_tokens=max_tokens, seed=11, exit_threshold=0.5, temperature=0.0)
     jobs = [Job("r", (5, 6, 7, 8), params)]
