@@ -34,7 +34,8 @@ from protocol.columns import F64, I32, I64, U64, Columnar
 # 11: WorkerConfig.device_refill (gate exits' passes with no readback between them).
 # 12: WorkerReady.prefill_token_buckets (the engine sizes a step's prompt tokens to a captured bucket).
 # 13: WorkerConfig.mixed_graphs (mixed batches' passes from CUDA graphs).
-PROTOCOL_VERSION = 13
+# 14: WorkerConfig.fused_rotary_attention (a decode batch's RoPE, K/V write and attention in one launch).
+PROTOCOL_VERSION = 14
 
 
 class Stage(enum.IntEnum):
@@ -107,6 +108,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     launch_pdl: bool = False  # the decode pass's Triton kernels with programmatic dependent launch (sm_90+)
     device_refill: bool = False  # gate exits, CODA and refill of greedy rows on the device (needs cuda_graphs)
     mixed_graphs: bool = False  # mixed batches' passes from CUDA graphs, captured at first use (needs cuda_graphs)
+    fused_rotary_attention: bool = False  # a decode batch's RoPE, K/V write and attention in one launch (Triton)
 
 
 class WorkerHello(msgspec.Struct, tag=True, array_like=True, kw_only=True):

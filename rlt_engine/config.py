@@ -94,6 +94,10 @@ class EngineConfig:
     device_refill: bool = _opt(True, "gate exits (ouro) of greedy rows: the exit test, CODA, sampling and the "
                                       "next token's PRELUDE run on the device for every row at every pass, so a "
                                       "plan's passes queue with no readback between them (needs cuda_graphs)")
+    # Off until timed on the H200: built and tested on the CPU (bit for bit the two launches it replaces).
+    fused_rotary_attention: bool = _opt(False, "decode batches rotate q and k, write k and v and attend in one "
+                                               "Triton launch (the attention's) instead of the RoPE launch then "
+                                               "the attention's (Triton attention only; the same results)")
     cuda_graph_capture: str = _opt("startup", "when decode-pass graphs are captured: startup (every row × width "
                                               "bucket before the worker reports ready, so no capture lands in a "
                                               "request) or lazy (a bucket at its first use)")
@@ -191,6 +195,7 @@ class EngineConfig:
             cuda_graphs=graphs, cuda_graph_prefill=self.cuda_graph_prefill and graphs, fused_layers=fused,
             launch_pdl=pdl, loops_per_plan=loops_per_plan, max_plans_in_flight=in_flight,
             device_refill=self.device_refill and graphs, mixed_batches=mixed,
+            fused_rotary_attention=self.fused_rotary_attention and backend == "triton",
         )
 
     def worker_config(self, device: str) -> WorkerConfig:
@@ -217,6 +222,7 @@ class EngineConfig:
             launch_pdl=self.launch_pdl,
             device_refill=self.device_refill,
             mixed_graphs=self.mixed_batches and self.cuda_graphs,
+            fused_rotary_attention=self.fused_rotary_attention,
         )
 
 

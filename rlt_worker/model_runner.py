@@ -58,7 +58,7 @@ from rlt_worker.exit_graphs import EagerExitStep, make_exit_step
 from rlt_worker.kernels.launch import PLAIN, KernelLaunch
 from rlt_worker.kv_storage import LAST_EXITED, KVStorage
 from rlt_worker.models.base import LoopedModel
-from rlt_worker.paged_context import FUSED_ROTARY_ATTENTION, PagedContext, PagedPlaneView, PrefillChunks
+from rlt_worker.paged_context import PagedContext, PagedPlaneView, PrefillChunks
 from rlt_worker.philox import truncated_normal
 from rlt_worker.prefill_rows import DeviceChunks, HostChunks, PrefillRows
 from rlt_worker.sampler import GreedyRule, SamplingTensors, sample, torch_greedy
@@ -93,8 +93,7 @@ class RunnerConfig:
     kernel_launch: KernelLaunch = PLAIN  # how the attention backend's Triton kernels launch (PDL or not)
     device_refill: bool = False  # gate exits' passes with no readback between them (rlt_worker/device_refill.py)
     mixed_graphs: bool = False  # mixed passes from CUDA graphs captured at first use (rlt_worker/mixed_graphs.py)
-    # A decode batch's RoPE, K/V write and attention in one launch (PagedContext's fused_rotary).
-    fused_rotary_attention: bool = FUSED_ROTARY_ATTENTION
+    fused_rotary_attention: bool = False  # a decode batch's RoPE, K/V write and attention in one launch
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,6 @@ import torch
 from rlt_worker.kv_storage import KVStorage
 from rlt_worker.models.base import LayerId, QKVWriter, Rotary
 
-# Whether the runner's decode batches rotate, write and attend in one launch (PagedContext's
-# fused_rotary): built and tested on the CPU, off until an H200 pass profile times it
-# (scripts/profile_decode_pass.py --rotary-attention).
-FUSED_ROTARY_ATTENTION = False
-
 
 @dataclass(frozen=True)
 class PrefillChunks:

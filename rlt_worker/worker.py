@@ -110,6 +110,7 @@ class Worker:
             kernel_launch=launch,
             device_refill=config.device_refill,
             mixed_graphs=config.mixed_graphs,
+            fused_rotary_attention=config.fused_rotary_attention,
         )
         self.runner = ModelRunner(model, storage, runner_config)
         log.info("worker %d ready on %s: %d KV blocks, %d planes", self.index, device, num_blocks, planes)

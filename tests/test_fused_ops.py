@@ -256,8 +256,6 @@ def check_engine_float64(attention_backend: str = "torch", fused_rotary: bool = 
     tokens and exit depths exactly (with the Triton backend's interpreter kernels and fused_rotary: the
     decode batches' RoPE, K/V write and attention in one launch)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from dataclasses import replace
-
     from factories import assert_matches_reference, make_llm, make_workload, run_workload
 
     from rlt_worker.models.ouro_fused import FusedOuroModel, with_fused_layers
@@ -266,9 +264,9 @@ def check_engine_float64(attention_backend: str = "torch", fused_rotary: bool = 
     jobs = make_workload(random.Random("fused-engine"), 5, depth=4, exit_mode="trace", max_prompt_len=10,
                          max_tokens=5, spread=1, sampling=("greedy", "temperature"))
     with make_llm("toy-ouro", exit_mode="trace", max_num_seqs=4, loops_per_plan=4,
-                  attention_backend=attention_backend) as llm:
+                  attention_backend=attention_backend, fused_rotary_attention=fused_rotary) as llm:
         runner = llm.engine.executor._worker.runner
-        runner.config = replace(runner.config, fused_rotary_attention=fused_rotary)
+        assert runner.config.fused_rotary_attention is fused_rotary
         runner.model = with_fused_layers(runner.model)
         assert isinstance(runner.model, FusedOuroModel)
         runner.use_pass_graphs(emulate=True)
@@ -311,6 +309,16 @@ def test_fused_layers_is_chosen_for_cuda_with_triton_only() -> None:
     cuda = EngineConfig(device="cuda").resolved()
     assert cuda.fused_layers is True and cuda.worker_config("cuda").fused_layers is True
     assert EngineConfig(device="cuda", fused_layers=False).resolved().fused_layers is False
+
+
+def test_fused_rotary_attention_is_off_by_default_and_needs_triton() -> None:
+    from rlt_engine.config import EngineConfig
+
+    assert EngineConfig(device="cuda").resolved().fused_rotary_attention is False
+    assert EngineConfig(device="cuda", attention_backend="torch", fused_rotary_attention=True).resolved() \
+        .fused_rotary_attention is False
+    on = EngineConfig(device="cuda", fused_rotary_attention=True).resolved()
+    assert on.fused_rotary_attention is True and on.worker_config("cuda").fused_rotary_attention is True
 
 
 def test_huginn_keeps_its_torch_modules() -> None:

@@ -493,6 +493,7 @@ class Grid:
                        loops_per_plan=a.loops_per_plan, enable_prefix_caching=mode != "shared_prefix_uncached",
                        max_plans_in_flight=a.max_plans_in_flight, mixed_batches=_mixed_batches(mode))
         for flag in ("cuda_graphs", "cuda_graph_prefill", "fused_layers", "launch_pdl", "device_refill",
+                     "fused_rotary_attention",
                      "max_prefill_tokens_while_decoding", "prefill_tokens_per_decoding_row",
                      "loops_while_prompt_pending"):  # None: the engine's
             if getattr(a, flag) is not None:
@@ -991,6 +992,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--device-refill", action=argparse.BooleanOptionalAction, default=None,
                    help="gate exits, CODA and refill of greedy rows on the device, no readback between a plan's "
                         "passes (default: the engine's)")
+    p.add_argument("--fused-rotary-attention", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode batches' RoPE, K/V write and attention in one launch (default: the engine's)")
     p.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None,
                    help="prompt tokens per step while a request decodes (default: the engine's; the *_uncapped "
                         "workloads run with 0, no cap)")
@@ -1056,6 +1059,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "gate_output_len": args.gate_output_len,
         "cuda_graphs": args.cuda_graphs, "cuda_graph_prefill": args.cuda_graph_prefill,
         "fused_layers": args.fused_layers, "launch_pdl": args.launch_pdl, "device_refill": args.device_refill,
+        "fused_rotary_attention": args.fused_rotary_attention,
         "loops_per_plan": args.loops_per_plan,
         "loops_while_prompt_pending": args.loops_while_prompt_pending,
         "max_plans_in_flight": EngineConfig(device=args.device, max_plans_in_flight=args.max_plans_in_flight)
