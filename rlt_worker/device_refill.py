@@ -10,7 +10,8 @@ the flags is decided by masks on the device instead. One pass, captured as one C
     the rows' columns → the pass graphs' static inputs (a row that stopped: the dummy slot)
     → the loop pass → the exit test → exits = flags ∧ running
     → FINALIZE of every row (exit depth D where the row did not exit: a no-op)
-    → CODA and greedy sampling of every row (the rows that did not exit drop theirs)
+    → CODA and greedy sampling of every row (the rows that did not exit drop theirs: the head is
+      the model's lm_head_needed of the exits, which a gated head skips when none exited)
     → each exit's output recorded at (row, its count) → a row ends at its last output or a stop
       token (the slot's stop mask) → the others: PRELUDE of the token at position + 1 (into the
       dummy slot where the row did not exit) → a row whose new position's next one has no block
@@ -36,7 +37,9 @@ coda, head and sampler), so tokens and exit depths are the host loop's; only the
 count (the bucket's, not the exits') differs, which batch invariance does not cover on CUDA. The
 price is CODA for every row at every pass instead of once per token: the head's weight is read per
 pass (a greedy CODA graph of 1 row, with the Triton greedy rule: 0.075 ms of GPU time on the H200,
-docs/benchmarks.md). The bookkeeping between (ColumnSteps) is one Triton launch per step on CUDA.
+docs/benchmarks.md), unless the model's head is gated (FusedOuroModel's HEAD_STRIP_SETTINGS, off):
+then a pass where no row exited reads no head weight. The bookkeeping between (ColumnSteps) is one
+Triton launch per step on CUDA.
 
 The buffers live per rows bucket for the worker's life (the graphs read them at fixed addresses);
 graphs are captured at a bucket's first use (`lazy_captures`). When it runs (`DeviceRefill.carried_rows`
@@ -179,7 +182,7 @@ class RefillGraphs:
             passes.mixed.stacked_pass((rows, width, *chunks))
         exits = test.apply(runner, index[0], index[1], index[2], passes.max_width, None) & (c[RUNNING] > 0)
         runner.finalize_on_device(c[SLOTS], c[POSITIONS], torch.where(exits, c[DEPTHS], runner.config.max_depth))
-        tokens, logprobs = runner.sample_on_device(index[0], b.params, True)
+        tokens, logprobs = runner.sample_on_device(index[0], b.params, True, needed=exits)
         self.steps.after_sample(b, exits, tokens, logprobs, runner.is_stop_token(c[SLOTS], tokens), dummy)
         exit_slots, prelude_slots = b.boundary_slots
         runner.store_tokens(exit_slots, tokens)

@@ -660,13 +660,15 @@ class ModelRunner:
         (slots, positions, depths), keep = self.read_back(columns, running)
         self.pass_listener(slots[keep], positions[keep], depths[keep] + 1)
 
-    def sample_on_device(self, slots: torch.Tensor, params: SamplingTensors, greedy: bool
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample_on_device(self, slots: torch.Tensor, params: SamplingTensors, greedy: bool,
+                         needed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """CODA of a coda without attention (Ouro) over these slots' states, then the sampler: what
-        CodaGraphs captures, and DeviceRefill's CODA of every row of a pass."""
+        CodaGraphs captures, and DeviceRefill's CODA of every row of a pass (`needed`: the rows whose
+        tokens it keeps, the model's lm_head_needed; the others' tokens are anything)."""
         positions = torch.zeros_like(slots)  # unread: this coda has no attention
         hidden = self.model.coda(self.state[slots], positions, self.context(slots, positions, None, 1))
-        return sample(self.model.lm_head(hidden), params, all_greedy=greedy, greedy=self._greedy)
+        logits = self.model.lm_head(hidden) if needed is None else self.model.lm_head_needed(hidden, needed)
+        return sample(logits, params, all_greedy=greedy, greedy=self._greedy)
 
     def is_stop_token(self, slots: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """bool [n]: whether each token is one of its slot's stop tokens (the dummy slot has none)."""

@@ -30,6 +30,11 @@ that won in a `scripts/bench_linear.py --sweep --json FILE` run, compared with `
 batches rotating q and k and writing k and v in the attention's launch (triton_backend's
 paged_attention_rotary, RunnerConfig.fused_rotary_attention): one launch a layer fewer, compared
 with that path (bit-equal expected: the same arithmetic).
+`--head-strip` adds `fused-head-strip`: the last --pdl path with the LM head through a strip
+(StripConfig(4, 4), ouro_fused.HEAD_STRIP_SETTINGS' candidate; its pass is that path's), compared
+with it, and times device refill's CODA of the rows (runner.sample_on_device with `needed`, greedy,
+one graph each) on both paths with every row needed and with none: the gated head reads no weight
+when no row exited.
 `--epilogue-paths` adds three paths under the last --pdl launch, each compared with that path:
 `fused-swiglu` (gate|up's strip applies SwiGLU too: StripConfig(2, 4), ouro_fused.STRIP_SWIGLU_SETTINGS;
 bit-equal where that path's gate|up is a strip too: Ouro-1.4B's shapes at one row), and
@@ -74,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also time the fused path with every GEMM on cuBLAS (no strip or split-K GEMVs)")
     p.add_argument("--rotary-attention", action="store_true",
                    help="add fused-rotary-attention (RoPE and the K/V write in the attention's launch)")
+    p.add_argument("--head-strip", action="store_true",
+                   help="add fused-head-strip and time device refill's CODA with its gated head (see the docstring)")
     p.add_argument("--epilogue-paths", action="store_true",
                    help="add fused-swiglu, fused-rotary-n1 and fused-rotary-n2 (epilogue strips; see the docstring)")
     p.add_argument("--top", type=int, default=0, help="print the N kernel names with the most GPU time per path")
@@ -92,10 +99,12 @@ from bench_linear import winning_settings  # noqa: E402  (scripts/, this script'
 
 from protocol.columns import I32, I64, pack  # noqa: E402
 from protocol.messages import Admit, BlockAppends, ExecutionPlan  # noqa: E402
+from rlt_worker.device_refill import RefillBuffers  # noqa: E402
 from rlt_worker.kernels.launch import PLAIN, KernelLaunch  # noqa: E402
 from rlt_worker.kernels.strip_gemv import StripConfig  # noqa: E402
 from rlt_worker.kv_storage import KVStorage, num_planes  # noqa: E402
 from rlt_worker.model_runner import ModelRunner, RunnerConfig  # noqa: E402
+from rlt_worker.models.layers import head_weight  # noqa: E402
 from rlt_worker.models.loader import load_model  # noqa: E402
 from rlt_worker.models.ouro_fused import FusedOuroModel  # noqa: E402
 from rlt_worker.worker import DTYPES  # noqa: E402
@@ -130,6 +139,11 @@ class Setup:
         if args.rotary_attention:
             _, launch = fused[-1]
             paths.append((ROTARY_ATTENTION_PATH, FusedOuroModel(self.reference, launch), launch))
+        if args.head_strip:
+            _, launch = fused[-1]
+            head = head_weight(self.reference, self.reference.model.embed_tokens.weight)
+            paths.append((HEAD_STRIP_PATH, FusedOuroModel(self.reference, launch, head_strip={
+                (*head.shape, dtype): HEAD_STRIP_CANDIDATE}), launch))
         if args.epilogue_paths:
             _, launch = fused[-1]
             paths += [(name, FusedOuroModel(self.reference, launch, **settings), launch)
@@ -180,6 +194,7 @@ class Setup:
 
 
 ROTARY_ATTENTION_PATH = "fused-rotary-attention"
+HEAD_STRIP_PATH, HEAD_STRIP_CANDIDATE = "fused-head-strip", StripConfig(4, 4)
 EPILOGUE_PATHS = ("fused-swiglu", "fused-rotary-n1", "fused-rotary-n2")
 
 
@@ -285,6 +300,51 @@ def profile_coda(setup: Setup, rows: int, replays: int, cuda: bool) -> list[dict
     return out
 
 
+def profile_needed_head(setup: Setup, paths: tuple[str, str], rows: int, replays: int, cuda: bool) -> list[dict]:
+    """Device refill's CODA of `rows` rows (greedy; runner.sample_on_device with `needed`, one graph
+    each) on each path, with every row needed and with none; and the head's logits of both paths
+    compared (every row needed)."""
+    out, logits = [], {}
+    slots = torch.arange(rows, device=setup.device)
+    params = RefillBuffers(rows, setup.device).params
+    for name in paths:
+        runner = setup.runners[name]
+        runner.state[:rows] = setup.state0[:rows]
+        for label, needed in (("all", torch.ones(rows, dtype=torch.bool, device=setup.device)),
+                              ("none", torch.zeros(rows, dtype=torch.bool, device=setup.device))):
+            graph = _graph_of(lambda r=runner, n=needed: r.sample_on_device(slots, params, True, n), cuda)
+            times = time_replays(graph, replays, cuda)
+            out.append({"path": name, "rows": rows, "needed": label, "graph_gpu_ms_median": statistics.median(times)})
+        with torch.inference_mode():
+            logits[name] = runner.model.lm_head_needed(runner.state[:rows], torch.ones(rows, dtype=torch.bool,
+                                                                                       device=setup.device))
+    out.append({"pair": f"{paths[1]} vs {paths[0]}", "rows": rows, **parity(logits[paths[1]], logits[paths[0]])})
+    return out
+
+
+class _Eager:
+    """A function with a CUDA graph's replay(), where there are no graphs (the CPU smoke run)."""
+
+    def __init__(self, fn) -> None:
+        self.replay = fn
+
+
+def _graph_of(fn, cuda: bool):
+    """fn captured in a CUDA graph after a warm-up on a side stream (CPU: fn itself)."""
+    if not cuda:
+        return _Eager(fn)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.inference_mode():
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.inference_mode():
+        fn()
+    return graph
+
+
 def _fused_path(setup: Setup) -> str:
     """The fused path the torch one is compared with: plain launches when it runs."""
     return "fused" if "fused" in setup.runners else "fused-pdl"
@@ -303,7 +363,7 @@ def main(args: argparse.Namespace) -> dict:
     cuda = args.device.startswith("cuda")
     report: dict = {"model": args.model, "device": torch.cuda.get_device_name() if cuda else "cpu",
                     "torch": torch.__version__, "context": args.context, "pdl": args.pdl, "passes": [], "parity": [],
-                    "coda": []}
+                    "coda": [], "needed_head": []}
     try:
         import triton
 
@@ -320,6 +380,7 @@ def main(args: argparse.Namespace) -> dict:
         last_fused = {"off": "fused", "on": "fused-pdl", "both": "fused-pdl"}[args.pdl]
         comparisons += [(last_fused, name) for name in EPILOGUE_PATHS] if args.epilogue_paths else []
         comparisons += [(last_fused, ROTARY_ATTENTION_PATH)] if args.rotary_attention else []
+        comparisons += [(last_fused, HEAD_STRIP_PATH)] if args.head_strip else []
         for rows in rows_list:
             outs = {name: setup.run_pass(name, rows, args.context) for name in setup.runners}
             report["parity"].extend({"pair": f"{b} vs {a}", "dtype": dtype_name, "rows": rows,
@@ -344,6 +405,9 @@ def main(args: argparse.Namespace) -> dict:
                 })
             if cuda or setup.runners["fused"]._graphs.coda is not None:
                 report["coda"].extend(profile_coda(setup, rows, args.replays, cuda))
+            if args.head_strip:
+                report["needed_head"].extend(profile_needed_head(setup, (last_fused, HEAD_STRIP_PATH), rows,
+                                                                 args.replays, cuda))
         del setup
         if cuda:
             torch.cuda.empty_cache()
@@ -375,6 +439,13 @@ def print_report(report: dict, hbm_tbps: float) -> None:
         kernels = "-" if c["kernels"] is None else c["kernels"]
         print(f"CODA {c['kind']:8} rows {c['rows']:>3}: {kernels} kernels, graph {c['graph_gpu_ms_median']:.3f} ms "
               f"GPU, eager {c['eager_wall_ms_median']:.3f} ms wall")
+    for h in report.get("needed_head", []):
+        if "pair" in h:
+            print(f"  head logits {h['pair']} rows {h['rows']}: max|Δ|/max|B| {h['rel_diff']:.3e}, "
+                  f"worst row cosine {h['worst_row_cosine']:.7f}")
+        else:
+            print(f"device refill's CODA {h['path']:18} rows {h['rows']:>3}, needed {h['needed']:4}: graph "
+                  f"{h['graph_gpu_ms_median']:.3f} ms GPU")
     print("parity, one pass from the same state (graph replays); A vs B: max|Δ| relative to max|B|:")
     for q in report["parity"]:
         print(f"  {q['pair']:24} {q['dtype']:9} rows {q['rows']:>3}: max|Δ| {q['max_abs_diff']:.3e}, max|Δ|/max|B| "

@@ -63,6 +63,26 @@ def test_device_refill_equals_the_host_loop_and_the_reference(mode: str, layout:
     assert any(life.final.finish_reason == "stop" for life in on_device.lives)
 
 
+def test_rows_that_did_not_exit_may_take_any_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Device refill's CODA asks the model's head for the exited rows' logits only (lm_head_needed): a
+    head that gives the other rows the opposite logits (a gated head leaves them 0) changes no output."""
+    from rlt_worker.models.base import LoopedModel
+
+    asked: list[bool] = []  # per call: whether some row was not needed
+    head = LoopedModel.lm_head_needed
+
+    def adversarial(self: LoopedModel, hidden: torch.Tensor, needed: torch.Tensor) -> torch.Tensor:
+        logits = head(self, hidden, needed)
+        asked.append(not bool(needed.all()))
+        return torch.where(needed[:, None], logits, -logits)
+
+    monkeypatch.setattr(LoopedModel, "lm_head_needed", adversarial)
+    jobs = _jobs("ouro")
+    run = _run("ouro", "last_exited", True, jobs)
+    assert_matches_reference(run, "toy-ouro", kv_layout="last_exited", exit_mode="ouro")
+    assert run.graph_stats["device_refill_plans"] > 0 and any(asked), asked
+
+
 def test_sampled_rows_keep_the_host_loop() -> None:
     """A batch with a sampling row is not greedy: it runs the host-driven loop, and still matches."""
     jobs = make_workload(random.Random("device-refill-sampled"), 6, depth=DEPTH["toy-ouro"], exit_mode="ouro",

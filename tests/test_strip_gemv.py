@@ -113,6 +113,50 @@ def check_swiglu_equals_the_strip_then_swiglu() -> None:
         StripGemv(35, 64, StripConfig(), 1, epilogue=Epilogue.SWIGLU)
 
 
+def check_gated_strip() -> None:
+    """A gated call (`needed`): with any row needed every row's bits are the ungated call's, with none
+    every row is 0 (plain and swiglu strips, K a power of two or not, M = 1…3); a needed that is not
+    bool [M] refused."""
+    from rlt_worker.kernels.strip_gemv import Epilogue, StripConfig, StripGemv
+
+    for (n, k), epilogue in zip([(37, 64), (48, 65), (24, 100)], [Epilogue.STORE, Epilogue.SWIGLU, Epilogue.STORE],
+                                strict=True):
+        strip = StripGemv(n, k, StripConfig(4, 2), 3, epilogue=epilogue)
+        for m in (1, 2, 3):
+            x, w = _inputs(n, k, m, torch.float32, "cpu")
+            want = strip(x, w)
+            for needed in ([True] + [False] * (m - 1), [False] * (m - 1) + [True], [True] * m):
+                assert torch.equal(strip(x, w, torch.tensor(needed)), want), f"{n}×{k} {epilogue} {needed}"
+            none = strip(x, w, torch.zeros(m, dtype=torch.bool))
+            assert none.shape == want.shape and not none.any(), f"{n}×{k} {epilogue} M{m}: none needed"
+    for bad in (torch.ones(2, dtype=torch.bool), torch.ones(3, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="needed"):
+            strip(x, w, bad)
+
+
+def check_strip_head() -> None:
+    """FusedOuroModel's head through a strip (toy-ouro's 264×64): lm_head close to the reference's
+    head; lm_head_needed bit for bit lm_head where a row is needed, 0 where none is; past
+    strip_max_rows both are the reference's head."""
+    from test_fused_ops import LOOP_TOL
+
+    from rlt_worker.kernels.strip_gemv import StripConfig
+    from rlt_worker.models.loader import load_model
+    from rlt_worker.models.ouro_fused import FusedOuroModel
+
+    reference = load_model("toy-ouro", dtype=torch.float32, device="cpu")
+    model = FusedOuroModel(reference, head_strip={(264, 64, torch.float32): StripConfig(8, 2)})
+    assert list(model._head.strips) == [(264, 64, torch.float32)]
+    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        one = model.lm_head(hidden[:1])
+        torch.testing.assert_close(one, reference.lm_head(hidden[:1]), **LOOP_TOL[torch.float32])
+        assert torch.equal(model.lm_head_needed(hidden[:1], torch.ones(1, dtype=torch.bool)), one)
+        assert not model.lm_head_needed(hidden[:1], torch.zeros(1, dtype=torch.bool)).any()
+        three = model.lm_head_needed(hidden, torch.zeros(3, dtype=torch.bool))
+        assert torch.equal(three, reference.lm_head(hidden)) and torch.equal(model.lm_head(hidden), three)
+
+
 def _rotary_case(heads: int, kv_heads: int, head_dim: int, k: int, dtype: torch.dtype, device: str, scale: float = 1.0):
     """A q|k|v weight, a rope over rows at positions around block boundaries, and noise caches."""
     from rlt_worker.kernels.fused_ops import rope_table
@@ -280,6 +324,8 @@ INTERP_CASES: dict[str, Callable[[], None]] = {
     **{f"batch-invariant-N{c['block_n']}w{c['num_warps']}": functools.partial(check_batch_invariant, c)
        for c in CONFIGS[:2]},
     "rejects": check_rejects,
+    "gated": check_gated_strip,
+    "strip-head": check_strip_head,
     "fused-loop": check_fused_loop,
     "swiglu-strip": check_swiglu_equals_the_strip_then_swiglu,
     "fused-loop-swiglu": check_fused_loop_with_swiglu_strips,
@@ -359,6 +405,31 @@ def test_gpu_ouro_shapes(dtype: torch.dtype) -> None:
     for (n, k, key_dtype), config in STRIP_SETTINGS.items():
         if key_dtype == dtype:
             check_gpu(n, k, dtype, config)
+
+
+@pytest.mark.gpu
+@interp.needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_gated_head_strip(dtype: torch.dtype) -> None:
+    """Ouro-1.4B's LM head (49152×2048) through the gated strip of the profile's candidate, under PDL
+    and from a CUDA graph whose needed row flips between replays: the ungated bits where it is
+    needed, zeros where not."""
+    from rlt_worker.kernels.launch import KernelLaunch
+    from rlt_worker.kernels.strip_gemv import StripConfig, StripGemv
+
+    n, k = 49152, 2048
+    strip = StripGemv(n, k, StripConfig(4, 4), 1, KernelLaunch.for_device(True, torch.device("cuda")))
+    x, w = _inputs(n, k, 1, dtype, "cuda")
+    want = strip(x, w)
+    needed = torch.ones(1, dtype=torch.bool, device="cuda")
+    assert torch.equal(strip(x, w, needed), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = strip(x, w, needed)
+    for flag in (False, True, False):
+        needed.fill_(flag)
+        graph.replay()
+        assert torch.equal(got, want) if flag else not got.any(), f"needed {flag}"
 
 
 @pytest.mark.gpu

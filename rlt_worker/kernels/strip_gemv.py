@@ -33,13 +33,19 @@ store them):
                 paged caches at the row's slot: fused_ops.write_kv_rotary's stores
 Under the interpreter both are bit for bit the STORE strip followed by the launch they replace.
 
+Gating (`needed`, a call's bool [M] on the device). A caller that reads only some rows' results, and
+knows which only on the device (device refill's CODA: the rows that exited this pass), passes them:
+each program loads them first, and with none its weight loads are masked off, so the launch reads
+no weight and stores zeros. Where a row is needed the results are the ungated strip's, bit for bit.
+
 PDL (`launch=`, kernels/launch.py). The strip is the model's weight, which no kernel writes, so it
 is loaded before gdc_wait: launched with PDL, a GEMV's whole read is in flight while its
 predecessor drains. x's (and the positions', slots' and rope table's) loads and every store come
 after the wait (the store rule of launch.py), then gdc_launch_dependents — except ROTARY_KV, whose
 successor is the attention: it launches its dependents after its stores, since waiting attention
 programs hold shared memory and would thin the strip's later waves. PDL on and off run the same
-instructions on the same values: the same bits.
+instructions on the same values: the same bits. A gated strip waits first: its needed rows are the
+predecessor's, and they decide whether its weight is read.
 """
 
 from __future__ import annotations
@@ -69,14 +75,16 @@ __all__ = ["SUPPORTED_DTYPES", "Epilogue", "KVTarget", "StripConfig", "StripGemv
 def _strip_kernel(
     x_ptr, w_ptr, y_ptr, M, N, stride_xm, stride_wn, stride_ym,
     pos_ptr, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, stride_cos,
-    stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd, needed_ptr,
     BLOCK_N: tl.constexpr, K_HI: tl.constexpr, K_LO: tl.constexpr, K_LO_PAD: tl.constexpr,
     PAIRED: tl.constexpr, SWIGLU: tl.constexpr, ROTARY: tl.constexpr, GROUP: tl.constexpr, Q_HEADS: tl.constexpr,
     ROT_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
+    GATED: tl.constexpr, ROWS_PAD: tl.constexpr,
 ):
     """Units [j·BLOCK_N, (j+1)·BLOCK_N) of N: their rows of W loaded first (and, paired, each unit's
     partner row GROUP below it: SWIGLU, ROTARY), then every row of x: its dots, the epilogue.
-    PAIRED = SWIGLU or ROTARY."""
+    PAIRED = SWIGLU or ROTARY. GATED: needed_ptr [M] says which rows' results the caller reads; with
+    none, the program loads no weight (its rows come out 0), so the launch reads almost nothing."""
     units = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = units < N
     if PAIRED:  # strip row r: unit r // 2's row (r even) or its partner (r odd), interleaved
@@ -89,12 +97,19 @@ def _strip_kernel(
     hi = tl.arange(0, K_HI)
     lo = K_HI + tl.arange(0, K_LO_PAD)  # the part of K past the largest power of two, padded, masked
     lo_ok = lo < K_HI + K_LO
+    if GATED:  # the needed rows are the predecessor's output: they and then the strip, after the wait
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        r = tl.arange(0, ROWS_PAD)
+        wanted = tl.max(tl.load(needed_ptr + r, mask=r < M, other=0).to(tl.int32), axis=0)
+        rows_ok = rows_ok & (rows * 0 + wanted > 0)
     # Row offsets in int64: a packed weight's N·K elements can pass 2^31 bytes.
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     w_hi = tl.load(w_rows + hi[None, :], mask=rows_ok[:, None], other=0.0)
     if K_LO > 0:
         w_lo = tl.load(w_rows + lo[None, :], mask=rows_ok[:, None] & lo_ok[None, :], other=0.0)
-    if PDL:
+    if PDL and not GATED:
         gdc_wait()  # x, positions, slots and every store: after the predecessor
         if not ROTARY:
             gdc_launch_dependents()
@@ -239,10 +254,14 @@ class StripGemv:
         self._k = split_k(in_features)
         self._grid = (triton.cdiv(self._units, config.block_n),)
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, needed: torch.Tensor | None = None) -> torch.Tensor:
         """x·weightᵀ [M, N] (SWIGLU: silu(gate)·up [M, N/2]), accumulated in fp32: one launch, no host
-        synchronization."""
-        return self._run(x, weight, None)
+        synchronization. `needed` (bool [M], on the device): the rows the caller reads; when none is,
+        the launch reads no weight and every row comes out 0 (the same values where one is)."""
+        if needed is not None and (needed.shape != (x.shape[0],) or needed.dtype != torch.bool):
+            raise ValueError(f"{self!r}: needed must be bool [{x.shape[0]}], got {needed.dtype} "
+                             f"{tuple(needed.shape)}")
+        return self._run(x, weight, None, needed)
 
     def rotary(self, x: torch.Tensor, weight: torch.Tensor, rope: Rotary, kv: KVTarget) -> torch.Tensor:
         """Rotated q [M, Hq, Dh] of a ROTARY_KV strip, k and v stored at kv: the q|k|v GEMV and
@@ -252,14 +271,15 @@ class StripGemv:
             raise ValueError(f"{self!r} does not take RoPE of {rope.num_heads}+2×{rope.num_kv_heads} heads of "
                              f"{rope.head_dim}")
         check_rotary_targets(kv.k_cache, kv.v_cache, x.shape[0], x.dtype, rope, kv.slot_mapping)
-        return self._run(x, weight, (rope, kv)).view(-1, rope.num_heads, rope.head_dim)
+        return self._run(x, weight, (rope, kv), None).view(-1, rope.num_heads, rope.head_dim)
 
-    def _run(self, x: torch.Tensor, weight: torch.Tensor, rotary: tuple[Rotary, KVTarget] | None) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, weight: torch.Tensor, rotary: tuple[Rotary, KVTarget] | None,
+             needed: torch.Tensor | None) -> torch.Tensor:
         check_gemv_args("StripGemv", (self.out_features, self.in_features), self.max_rows, x, weight)
         if (rotary is None) != (self.epilogue != Epilogue.ROTARY_KV):
             raise ValueError(f"{self!r}: a ROTARY_KV strip runs through `rotary`, the others do not")
         rope_args = _rotary_args(x, rotary)
-        _check_device(x, weight, *rope_args[:6])
+        _check_device(x, weight, *rope_args[:6], *(() if needed is None else (needed,)))
         m = x.shape[0]
         y = torch.empty(m, self._width, dtype=x.dtype, device=x.device)
         if m == 0:
@@ -269,11 +289,13 @@ class StripGemv:
         q_heads, kv_heads, _ = self.heads or (0, 0, 0)
         jitted_gemv(_strip_kernel, interpret)[self._grid](
             x, weight, y, m, self._units, x.stride(0), weight.stride(0), y.stride(0), *rope_args,
+            x if needed is None else needed,
             BLOCK_N=self.config.block_n, K_HI=k_hi, K_LO=k_lo, K_LO_PAD=k_lo_pad,
             PAIRED=self.epilogue != Epilogue.STORE, SWIGLU=self.epilogue == Epilogue.SWIGLU,
             ROTARY=rotary is not None, GROUP=self._group, Q_HEADS=q_heads,
             ROT_HEADS=q_heads + kv_heads, BLOCK_SIZE=rotary[1].k_cache.shape[1] if rotary else 1,
-            LIBDEVICE=not interpret, **self.launch.kwargs(m, num_warps=self.config.num_warps, num_stages=1),
+            LIBDEVICE=not interpret, GATED=needed is not None, ROWS_PAD=triton.next_power_of_2(self.max_rows),
+            **self.launch.kwargs(m, num_warps=self.config.num_warps, num_stages=1),
         )
         return y
 

@@ -130,3 +130,9 @@ class LoopedModel(torch.nn.Module):
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden [N, H] → logits [N, V]."""
         raise NotImplementedError
+
+    def lm_head_needed(self, hidden: torch.Tensor, needed: torch.Tensor) -> torch.Tensor:
+        """lm_head's logits where `needed` (bool [N], on the device) holds; the other rows' may be
+        anything (a head that learns on the device that no row is needed may skip its weight)."""
+        del needed
+        return self.lm_head(hidden)

@@ -35,7 +35,9 @@ gate|up and SwiGLU go through a second strategy (`GateUpSwiGLU`): a strip with t
 and swiglu's launch. q|k|v and the attention go through a third (`QkvAttention`): over a
 WritingAttentionContext, a strip that also rotates q and k and writes k and v into the paged caches
 (`ctx.attend_writing`; STRIP_ROTARY_SETTINGS is empty, so off: it measured slower), else the GEMM and
-the context's attend_rotary.
+the context's attend_rotary. The LM head goes through a fourth (`StripHead`): a strip (≤
+`strip_max_rows` rows; HEAD_STRIP_SETTINGS, empty, so off until timed), which `lm_head_needed` gates
+by the rows whose logits are read, else the reference's head.
 
 The kernels round as the torch modules do (rlt_worker/kernels/fused_ops.py), but the mean of
 squares and the packed GEMMs reduce in other orders, so results equal the reference's up to the
@@ -60,6 +62,7 @@ from rlt_worker.kernels.splitk_gemv import SUPPORTED_DTYPES, SplitKConfig, Split
 from rlt_worker.kernels.strip_gemv import Epilogue, KVTarget, StripConfig, StripGemv
 
 from .base import AttentionContext, LayerId, LoopedModel, Rotary, RotaryAttentionContext, WritingAttentionContext
+from .layers import head_weight
 from .ouro import OuroDecoderLayer, OuroModel
 
 log = logging.getLogger("rlt.worker")
@@ -95,6 +98,12 @@ STRIP_SWIGLU_SETTINGS: Mapping[WeightKey, StripConfig] = {
 # Empty, so off: with the attention launched right after the strip's wait, the 1-row pass took
 # 1.109 ms against 1.064 (docs/benchmarks.md); to time: scripts/profile_decode_pass.py --epilogue-paths.
 STRIP_ROTARY_SETTINGS: Mapping[WeightKey, StripConfig] = {}
+# The LM head's strip for passes of at most STRIP_MAX_ROWS rows, gated by the rows whose logits are
+# needed (lm_head_needed: device refill's CODA at every pass reads only the rows that exited, so a
+# pass where none did reads no head weight). Empty, so off until timed; the setting to time is
+# (49152, 2048): StripConfig(4, 4), whose ungated CODA of one row took 0.0716 ms against 0.073 with
+# cuBLAS on the H200 (docs/benchmarks.md).
+HEAD_STRIP_SETTINGS: Mapping[WeightKey, StripConfig] = {}
 
 
 class PackedLayer(NamedTuple):
@@ -147,7 +156,8 @@ class FusedOuroModel(LoopedModel):
                  strip: Mapping[WeightKey, StripConfig] = STRIP_SETTINGS,
                  strip_max_rows: int = STRIP_MAX_ROWS,
                  strip_swiglu: Mapping[WeightKey, StripConfig] = STRIP_SWIGLU_SETTINGS,
-                 strip_rotary: Mapping[WeightKey, StripConfig] = STRIP_ROTARY_SETTINGS) -> None:
+                 strip_rotary: Mapping[WeightKey, StripConfig] = STRIP_ROTARY_SETTINGS,
+                 head_strip: Mapping[WeightKey, StripConfig] = HEAD_STRIP_SETTINGS) -> None:
         super().__init__()
         self.reference = reference
         self.config = reference.config
@@ -167,6 +177,8 @@ class FusedOuroModel(LoopedModel):
         heads = (self._heads, self._kv_heads, self._head_dim)
         self._qkv_attention = QkvAttention(self._linear, strips.built([w.qkv for w in self._layers], strip_rotary,
                                                                       Epilogue.ROTARY_KV, heads), strips)
+        head = head_weight(reference, reference.model.embed_tokens.weight)
+        self._head = StripHead(reference, head, strips.built([head], head_strip, Epilogue.STORE), strips)
         self._final_norm = reference.model.norm.weight.detach()  # a plain tensor: not a parameter of this module
         weight = self._final_norm
         # Every position the model supports, as split_half_cos_sin computes it (fp32, then cast).
@@ -205,8 +217,12 @@ class FusedOuroModel(LoopedModel):
         return self.reference.coda(state, positions, ctx)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The reference's head."""
-        return self.reference.lm_head(hidden)
+        """The head's strip where it has one (StripHead), else the reference's head."""
+        return self._head(hidden)
+
+    def lm_head_needed(self, hidden: torch.Tensor, needed: torch.Tensor) -> torch.Tensor:
+        """The head's strip gated by `needed` where it has one (StripHead), else the reference's head."""
+        return self._head(hidden, needed)
 
     def kernel_launch(self, requested: KernelLaunch) -> KernelLaunch:
         """This model's launch: the one it was built with, PDL bounded to its all-Triton passes."""
@@ -306,6 +322,23 @@ class GateUpSwiGLU:
         if strip is not None:
             return strip(x, gate_up)
         return swiglu(self._linear(x, gate_up), launch=self._shared.launch)
+
+
+class StripHead:
+    """The LM head: for passes of at most max_rows rows whose head weight has a strip, one strip launch,
+    gated by the rows `needed` when given (rows not needed come out 0; none needed reads no weight);
+    else the reference's head. lm_head and lm_head_needed both take it, so the host loop's CODA and
+    device refill's (gated) give the same logits where a row is needed."""
+
+    def __init__(self, reference: OuroModel, head: torch.Tensor, strips: dict[WeightKey, StripGemv],
+                 shared: EpilogueStrips) -> None:
+        self._reference, self._head, self.strips, self._shared = reference, head, strips, shared
+
+    def __call__(self, hidden: torch.Tensor, needed: torch.Tensor | None = None) -> torch.Tensor:
+        strip = self._shared.find(self.strips, hidden, self._head)
+        if strip is not None:
+            return strip(hidden, self._head, needed)
+        return self._reference.lm_head(hidden)
 
 
 class QkvAttention:
