@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The decode paths built and left off until timed, against the default, on the H200, in two device
+# calls of < 600 s each. Run from the repository root after the device set-up line
+# (../shared/gpu/README.md), with RLT_COMMIT set to the tree's commit:
+#
+#   bash scripts/gpu_time_off_paths.sh 1      # steps 1 and 2
+#   bash scripts/gpu_time_off_paths.sh 2      # step 3
+#
+# 1. One loop pass and device refill's CODA (scripts/profile_decode_pass.py, rows 1 and 32, PDL on):
+#    the default path, `fused-rotary-attention` (a decode batch's RoPE, K/V write and attention in one
+#    launch) and `fused-head-strip` (the LM head through a strip, gated by the rows that exited);
+#    float32 and bf16 parity against the default. $OUT/pass.json, $OUT/pass.log.
+# 2. The GPU tests of those kernels. $OUT/tests.log.
+# 3. c = 1 throughput (trace, ouro, ouro_replay; median of 3, the float32 gate), the default tree and
+#    a copy of it with --fused-rotary-attention and ouro_fused.HEAD_STRIP_SETTINGS set to the
+#    profile's candidate: $OUT/c1-default.json, $OUT/c1-off-paths.json and their logs.
+# Each step has its own timeout; a step that runs out leaves the others' files.
+set -uo pipefail
+part=${1:?"usage: gpu_time_off_paths.sh PART (1: pass profile and GPU tests, 2: c = 1 throughput)"}
+out=${OUT:-/tmp}
+root=$PWD
+t0=$(date +%s)
+step() { echo "$1 rc=$2 $(( $(date +%s) - t0 ))s"; }
+
+if [ "$part" = 1 ]; then
+timeout 200 python scripts/profile_decode_pass.py --rows 1,32 --pdl on --rotary-attention --head-strip --top 8 \
+  --dtypes bfloat16,float32 --json "$out/pass.json" > "$out/pass.log" 2>&1
+step pass $?
+grep -E "^fused|vs|refill's CODA" "$out/pass.log"
+
+timeout 300 python -m pytest -m gpu -q tests/test_triton_attention.py tests/test_strip_gemv.py tests/test_pdl.py \
+  > "$out/tests.log" 2>&1
+step tests $?
+tail -3 "$out/tests.log"
+exit 0
+fi
+
+variant=/tmp/rlt-off-paths
+rm -rf "$variant" && mkdir -p "$variant"
+cp -r protocol rlt_engine rlt_worker scripts pyproject.toml "$variant"/
+sed -i 's/^HEAD_STRIP_SETTINGS: Mapping\[WeightKey, StripConfig\] = {}$/HEAD_STRIP_SETTINGS: Mapping[WeightKey, StripConfig] = {(49152, 2048, d): StripConfig(4, 4) for d in SUPPORTED_DTYPES}/' \
+  "$variant/rlt_worker/models/ouro_fused.py"
+grep -q "^HEAD_STRIP_SETTINGS.*49152" "$variant/rlt_worker/models/ouro_fused.py" || { echo "head strip edit failed"; exit 1; }
+
+bench=(python -m rlt_engine.cli bench throughput --model synthetic-ouro-1.4b --workers 0 --concurrency 1 --repeats 3
+       --max-seconds 12 --exit trace,ouro,ouro_replay --total-seconds 260)
+timeout 270 "${bench[@]}" --json "$out/c1-default.json" > "$out/c1-default.log" 2>&1
+step c1-default $?
+(cd "$variant" && PYTHONPATH="/tmp/site:$variant" timeout 270 "${bench[@]}" --fused-rotary-attention \
+  --json "$out/c1-off-paths.json" > "$out/c1-off-paths.log" 2>&1)
+step c1-off-paths $?
+cd "$root"
+grep -hE "^\||ouro /|gate:" "$out/c1-default.log" "$out/c1-off-paths.log"
