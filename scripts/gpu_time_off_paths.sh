@@ -10,8 +10,9 @@
 #    the default path, `fused-rotary-attention` (a decode batch's RoPE, K/V write and attention in one
 #    launch) and `fused-head-strip` (the LM head through a strip, gated by the rows that exited);
 #    float32 and bf16 parity against the default. $OUT/pass.json, $OUT/pass.log.
-#    And the pass with 16 attention splits at one row instead of 8 (a copy of the tree with
-#    triton_backend._MIN_SPLIT_TOKENS 64): $OUT/pass-splits16.json.
+#    And at one row, each in a copy of the tree: 16 attention splits instead of 8
+#    (triton_backend._MIN_SPLIT_TOKENS 64), $OUT/pass-splits16.json; the rotary attention's writer
+#    storing before its loop (triton_backend.ROTARY_STORE_FIRST), $OUT/pass-store-first.json.
 # 2. The GPU tests of those kernels. $OUT/tests.log.
 # 3. c = 1 throughput (trace, ouro, ouro_replay; median of 3, the float32 gate), the default tree and
 #    a copy of it with --fused-rotary-attention and ouro_fused.HEAD_STRIP_SETTINGS set to the
@@ -30,17 +31,22 @@ timeout 180 python scripts/profile_decode_pass.py --rows 1,32 --pdl on --rotary-
 step pass $?
 grep -E "^fused|vs|refill's CODA" "$out/pass.log"
 
-# The decode attention with 16 splits at one row (triton_backend._MIN_SPLIT_TOKENS 64: one 64-token tile
-# a program, all of it asked of the L2 before the wait) against the default 8, in a copy of the tree.
-splits=/tmp/rlt-splits16
-rm -rf "$splits" && mkdir -p "$splits" && cp -r protocol rlt_engine rlt_worker scripts pyproject.toml "$splits"/
-sed -i 's/^_MIN_SPLIT_TOKENS = 128$/_MIN_SPLIT_TOKENS = 64/' "$splits/rlt_worker/attention/triton_backend.py"
-(cd "$splits" && PYTHONPATH="/tmp/site:$splits" timeout 90 python scripts/profile_decode_pass.py --rows 1 --pdl on \
-  --rotary-attention --dtypes bfloat16 --json "$out/pass-splits16.json" > "$out/pass-splits16.log" 2>&1)
-step splits16 $?
-grep -E "^fused" "$out/pass-splits16.log"
+# Two one-line variants of triton_backend, each in a copy of the tree, at one row: 16 attention splits
+# instead of 8 (_MIN_SPLIT_TOKENS 64: one 64-token tile a program, all of it asked of the L2 before
+# the wait), and the rotary attention's writer storing before its loop (ROTARY_STORE_FIRST).
+variant() {  # NAME SED-EXPRESSION
+  local tree=/tmp/rlt-$1
+  rm -rf "$tree" && mkdir -p "$tree" && cp -r protocol rlt_engine rlt_worker scripts pyproject.toml "$tree"/
+  sed -i "$2" "$tree/rlt_worker/attention/triton_backend.py"
+  (cd "$tree" && PYTHONPATH="/tmp/site:$tree" timeout 90 python scripts/profile_decode_pass.py --rows 1 --pdl on \
+    --rotary-attention --dtypes bfloat16 --json "$out/pass-$1.json" > "$out/pass-$1.log" 2>&1)
+  step "$1" $?
+  grep -E "^fused" "$out/pass-$1.log"
+}
+variant splits16 's/^_MIN_SPLIT_TOKENS = 128$/_MIN_SPLIT_TOKENS = 64/'
+variant store-first 's/^ROTARY_STORE_FIRST = False$/ROTARY_STORE_FIRST = True/'
 
-timeout 240 python -m pytest -m gpu -q tests/test_triton_attention.py tests/test_strip_gemv.py tests/test_pdl.py \
+timeout 200 python -m pytest -m gpu -q tests/test_triton_attention.py tests/test_strip_gemv.py tests/test_pdl.py \
   > "$out/tests.log" 2>&1
 step tests $?
 tail -3 "$out/tests.log"

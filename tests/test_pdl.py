@@ -1,7 +1,7 @@
 """Programmatic dependent launch of the decode pass's Triton kernels (rlt_worker/kernels/launch.py).
 
 CPU: the switch resolves to plain launches wherever PDL cannot run (the CPU, the interpreter, the
-torch backend, a config that asks for none), and each of the six kernels compiled for sm_90 by
+torch backend, a config that asks for none), and each of the seven kernels compiled for sm_90 by
 Triton's own compiler (no GPU needed: PTX through the bundled ptxas) orders its PTX as the PDL
 contract says: one griddepcontrol.wait, launch_dependents right after it, every store after it,
 and before it no global load but add + RMSNorm's norm weights and the attention's context length and
@@ -105,11 +105,12 @@ KERNELS: dict[str, tuple[Callable[..., object], dict, dict, dict]] = {
     **{name: (tb._attn_kernel,
               dict(GROUP=1, GROUP_PAD=16, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, TILE=64, NUM_SPLITS=8,
                    USE_DOT=True, DOT_PRECISION=None, ACC_F64=False, LINES=2, LINE_ELEMS=64, ROTARY=rotary,
-                   Q_HEADS=16),
+                   Q_HEADS=16, STORE_FIRST=first),
               {"bt_ptr": "*i32", "ctx_ptr": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
                "qk_scale": "fp32", "scale_ptr": "*fp64", "pos_ptr": "*i64"},
               dict(num_warps=4, num_stages=3, enable_fp_fusion=False))
-       for name, rotary in (("attention", False), ("attention_rotary", True))},
+       for name, rotary, first in (("attention", False, False), ("attention_rotary", True, False),
+                                   ("attention_rotary_store_first", True, True))},
     "merge": (tb._merge_kernel, dict(HEAD_DIM=128, D_PAD=128, NUM_SPLITS=8, S_PAD=8, ACC_F64=False),
               {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"}, {}),
 }

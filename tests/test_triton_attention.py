@@ -186,6 +186,16 @@ def _interp_rotary(hq: int, hkv: int, dh: int, bs: int, lens: list[int], dtype: 
                                    dtype=dtype), atol=atol, rtol=atol, **kwargs)
 
 
+def _interp_rotary_store_first() -> None:
+    """The same with the writer's k and v stored before its loop (ROTARY_STORE_FIRST)."""
+    tb.ROTARY_STORE_FIRST = True
+    try:
+        _interp_rotary(4, 2, 16, 4, [1, 7, 40, 13])
+        _interp_rotary(4, 4, 32, 16, [5, 38, 17], num_splits=3, tile=16)
+    finally:
+        tb.ROTARY_STORE_FIRST = False
+
+
 def _interp_write_kv() -> None:
     """write_kv stores K and V at the given slots of strided cache views, like torch_ref.write_kv."""
     gen = torch.Generator().manual_seed(1)
@@ -256,6 +266,7 @@ INTERP_CASES: dict[str, Callable[[], None]] = {
     "rotary-gqa-d16-b4": functools.partial(_interp_rotary, 4, 2, 16, 4, [1, 7, 40, 13]),
     "rotary-mha-split3": functools.partial(_interp_rotary, 4, 4, 32, 16, [5, 38, 17], num_splits=3, tile=16),
     "rotary-float64-split2": functools.partial(_interp_rotary, 4, 2, 16, 4, [9, 21], torch.float64, num_splits=2),
+    "rotary-store-first": _interp_rotary_store_first,
     "float64": _interp_float64, "out-rows": _interp_out_rows, "write_kv": _interp_write_kv,
     "finalize_kv": _interp_finalize_kv,
 }
@@ -450,9 +461,12 @@ def test_gpu_cuda_graph_replay(compiled: None) -> None:
 @needs_cuda
 @pytest.mark.parametrize("dtype,atol,rtol", [(torch.bfloat16, 2e-2, 2e-2), (torch.float32, 2e-5, 2e-5)])
 @pytest.mark.parametrize("rows", [1, 32])
-def test_gpu_rotary_ouro_shapes(compiled: None, dtype: torch.dtype, atol: float, rtol: float, rows: int) -> None:
-    """paged_attention_rotary at Ouro-1.4B's heads, 1 row (the split path) and 32: bit for bit the RoPE
-    launch then paged_attention, auto and 4 splits."""
+@pytest.mark.parametrize("store_first", [False, True])
+def test_gpu_rotary_ouro_shapes(compiled: None, dtype: torch.dtype, atol: float, rtol: float, rows: int,
+                                store_first: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """paged_attention_rotary at Ouro-1.4B's heads, 1 row (the split path) and 32, either hand-off of the
+    writer's k and v: bit for bit the RoPE launch then paged_attention, auto and 4 splits."""
+    monkeypatch.setattr(tb, "ROTARY_STORE_FIRST", store_first)
     batch = make_decode_batch(**OURO, seq_lens=ouro_lens(4 * rows, seed=rows), dtype=dtype, device="cuda")
     check_rotary(batch, atol=atol, rtol=rtol)
     check_rotary(batch, atol=atol, rtol=rtol, num_splits=4)

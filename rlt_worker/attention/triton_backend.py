@@ -60,6 +60,10 @@ _LOG2E = 1.4426950408889634
 _PREFETCH_L2: tl.constexpr = tl.constexpr("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;") if tl else None
 # Fewest tokens worth giving a split: below this the merge costs more than it wins.
 _MIN_SPLIT_TOKENS = 128
+# How paged_attention_rotary's writer program hands this pass's k and v to its own loop (_attn_kernel,
+# STORE_FIRST): from registers (False) or stored first behind a barrier (True). Neither is timed yet
+# (scripts/gpu_time_off_paths.sh profiles both); the same bits either way.
+ROTARY_STORE_FIRST = False
 
 
 def _attn_kernel(
@@ -75,15 +79,20 @@ def _attn_kernel(
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, ACC_F64: tl.constexpr, PDL: tl.constexpr,
     LINES: tl.constexpr, LINE_ELEMS: tl.constexpr, ROTARY: tl.constexpr, Q_HEADS: tl.constexpr,
+    STORE_FIRST: tl.constexpr,
 ):
     """One (row, kv head, split): online-softmax attention of the head group over its token span.
 
     ROTARY: q_ptr is the rows' packed q|k|v (Q_HEADS q heads, then the k heads, then the v heads).
-    Every program rotates its q heads and its kv head's k at the row's position pos (pos_ptr, the
-    cos/sin table rows; fused_ops._rope_qk_kernel's arithmetic). The tile that holds pos takes this
-    pass's k and v there from registers, and the program whose span holds pos stores them at pos's
-    slot after its loop: what a separate write then this attention would read and store, provided
-    no other row of the batch reads pos (each row its own sequence).
+    Every program rotates its q heads at the row's position pos (pos_ptr, the cos/sin table rows;
+    fused_ops._rope_qk_kernel's arithmetic), and the one whose span holds pos (the writer) also its
+    kv head's k, and stores it and v at pos's slot: what a separate write then this attention would
+    read and store, provided no other row of the batch reads pos (each row its own sequence). The
+    writer hands them to its own loop one of two ways (STORE_FIRST, module constant
+    ROTARY_STORE_FIRST): stored before its loop behind a CTA barrier, so its loop reads them from the
+    cache (its loop starts an L2 round trip later); or (False) taken at pos's tile from registers
+    and stored after its loop (that tile goes through shared memory to the dot: 36.9 KB a program
+    against 22.5, sm_90 at Ouro-1.4B's heads).
 
     PDL (kernels/launch.py): q is the predecessor's (the rotating K/V write's) output, and so is the
     K/V at the rows' own positions, so every load the attention uses comes after the wait. Before it
@@ -133,11 +142,22 @@ def _attn_kernel(
         sin = tl.load(sin_ptr + pos * stride_cos + d % half, mask=d_ok, other=0.0)
         q = rotate_half(q_ptrs, q_row + heads[:, None] * stride_qh + partner[None, :] * stride_qd, q_ok,
                         cos[None, :], sin[None, :], sign[None, :], ACC_F64)
-        kv = (Q_HEADS + kv_head) * stride_qh
-        k_new = rotate_half(q_row + kv + d * stride_qd, q_row + kv + partner * stride_qd, d_ok, cos, sin, sign,
-                            ACC_F64)
-        v_new = tl.load(q_row + (Q_HEADS + tl.num_programs(1) + kv_head) * stride_qh + d * stride_qd, mask=d_ok)
-        k_new, v_new = k_new.to(k_ptr.dtype.element_ty), v_new.to(v_ptr.dtype.element_ty)
+        writes = pos // split_tokens == split  # one program of each (row, kv head): uniform, a branch
+        pos_blk = tl.load(bt_ptr + row * stride_btn + (pos // BLOCK_SIZE) * stride_btb).to(tl.int64)
+        k_dst = k_ptr + pos_blk * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh + d * stride_kd
+        v_dst = v_ptr + pos_blk * stride_vb + (pos % BLOCK_SIZE) * stride_vs + kv_head * stride_vh + d * stride_vd
+        k_new = tl.zeros([D_PAD], dtype=k_ptr.dtype.element_ty)
+        v_new = tl.zeros([D_PAD], dtype=v_ptr.dtype.element_ty)
+        if writes:
+            kv = (Q_HEADS + kv_head) * stride_qh
+            k_new = rotate_half(q_row + kv + d * stride_qd, q_row + kv + partner * stride_qd, d_ok, cos, sin,
+                                sign, ACC_F64).to(k_ptr.dtype.element_ty)
+            v_new = tl.load(q_row + (Q_HEADS + tl.num_programs(1) + kv_head) * stride_qh + d * stride_qd,
+                            mask=d_ok).to(v_ptr.dtype.element_ty)
+            if STORE_FIRST:
+                tl.store(k_dst, k_new, mask=d_ok)
+                tl.store(v_dst, v_new, mask=d_ok)
+                tl.debug_barrier()  # the stores before any thread's loads of the loop
     else:
         q = tl.load(q_ptrs, mask=q_ok, other=0.0)
     if not USE_DOT:
@@ -171,7 +191,7 @@ def _attn_kernel(
         # other=0: stale slots past the context may hold NaN/inf, and 0·NaN would poison the dot.
         k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
         v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
-        if ROTARY:  # the row's own position: this pass's k and v (the cache still holds the old ones)
+        if ROTARY and not STORE_FIRST:  # at pos this pass's k and v (the cache still holds the old ones)
             here = (t == pos)[:, None]
             k = tl.where(here, k_new[None, :], k)
             v = tl.where(here, v_new[None, :], v)
@@ -198,12 +218,10 @@ def _attn_kernel(
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(acc_dtype)[None, :, :], axis=1)
         m_i = m_new
 
-    if ROTARY:  # pos's k and v into the cache, by the program whose span holds pos (after its reads)
-        writer = d_ok & (d * 0 + split == pos // split_tokens)
-        blk = tl.load(bt_ptr + row * stride_btn + (pos // BLOCK_SIZE) * stride_btb).to(tl.int64)
-        off = pos % BLOCK_SIZE
-        tl.store(k_ptr + blk * stride_kb + off * stride_ks + kv_head * stride_kh + d * stride_kd, k_new, mask=writer)
-        tl.store(v_ptr + blk * stride_vb + off * stride_vs + kv_head * stride_vh + d * stride_vd, v_new, mask=writer)
+    if ROTARY and not STORE_FIRST:
+        if writes:  # pos's k and v into the cache, after the loop's reads
+            tl.store(k_dst, k_new, mask=d_ok)
+            tl.store(v_dst, v_new, mask=d_ok)
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
         o_ptrs = out_ptr + row * stride_on + heads[:, None] * stride_oh + d[None, :] * stride_od
@@ -497,7 +515,7 @@ def _attend(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, TILE=tile, NUM_SPLITS=splits,
         USE_DOT=use_dot, DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, ACC_F64=f64,
-        ROTARY=rope is not None, Q_HEADS=num_heads,
+        ROTARY=rope is not None, Q_HEADS=num_heads, STORE_FIRST=ROTARY_STORE_FIRST,
         **_prefetch_lines(head_dim, k_cache.element_size()),
         # No FMA contraction: the rotation rounds each op as fused_ops' RoPE kernel does.
         **launch.kwargs(num_rows, num_warps=4, num_stages=3, enable_fp_fusion=False),
