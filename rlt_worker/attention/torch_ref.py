@@ -79,7 +79,7 @@ def paged_attention(
     result = torch.einsum("nht,nthd->nhd", probs, values.to(compute)).to(q.dtype)
     if out is None:
         return result
-    check_out(out, q)
+    check_out(out, q.shape, q.dtype, q.device)
     return out.copy_(result)
 
 
@@ -104,11 +104,11 @@ def paged_attention_rotary(
     return paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out=out)
 
 
-def check_out(out: torch.Tensor, q: torch.Tensor) -> None:
-    """An attention's `out` must be q's shape and dtype, on q's device."""
-    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-        raise ValueError(f"out {tuple(out.shape)} {out.dtype} on {out.device} does not fit q {tuple(q.shape)} "
-                         f"{q.dtype} on {q.device}")
+def check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    """An attention's `out` must be its q's shape and dtype, on q's device."""
+    if out.shape != shape or out.dtype != dtype or out.device != device:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} on {out.device} does not fit q {tuple(shape)} "
+                         f"{dtype} on {device}")
 
 
 def finalize_kv(

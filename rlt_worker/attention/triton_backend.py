@@ -409,8 +409,8 @@ def paged_attention(
     """
     _check_attention(q.shape, q.dtype, k_cache, v_cache, block_tables, context_lens)
     _check_device(q, k_cache, v_cache, block_tables, context_lens)
-    return _attend(q, q.stride(), None, k_cache, v_cache, block_tables, context_lens, scale, _output(q, out),
-                   num_splits, tile, launch)
+    return _attend(q, q.stride(), None, k_cache, v_cache, block_tables, context_lens, scale,
+                   _output(out, q.shape, q.dtype, q.device), num_splits, tile, launch)
 
 
 def paged_attention_rotary(
@@ -436,20 +436,16 @@ def paged_attention_rotary(
     (a decode batch, one row a sequence), since each row's write is seen only by its own programs.
     Arguments as write_kv_rotary's and paged_attention's.
     """
-    num_rows, num_heads, head_dim = qkv.shape[0], rope.num_heads, rope.head_dim
-    if qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.shape[1] != (num_heads + 2 * rope.num_kv_heads) * head_dim \
-            or head_dim % 2 or rope.positions.shape != (num_rows,) or k_cache.shape[2] != rope.num_kv_heads:
-        raise ValueError(f"qkv {tuple(qkv.shape)} is not q|k|v rows of {num_heads}+2×{rope.num_kv_heads} heads of "
-                         f"{head_dim} (unit column stride) with positions {tuple(rope.positions.shape)}")
-    if rope.cos.shape != rope.sin.shape or rope.cos.shape[1:] != (head_dim // 2,) or rope.cos.stride(1) != 1 \
-            or rope.sin.stride() != rope.cos.stride():
-        raise ValueError(f"cos/sin must be one rope_table pair [max_positions, {head_dim // 2}]")
-    q_shape = (num_rows, num_heads, head_dim)
+    rope.check_qkv(qkv)
+    if qkv.stride(1) != 1 or k_cache.shape[2] != rope.num_kv_heads:
+        raise ValueError(f"qkv strides {qkv.stride()} (a unit column stride needed) or caches of {k_cache.shape[2]} "
+                         f"kv heads do not fit {rope.num_kv_heads} kv heads")
+    q_shape = (qkv.shape[0], rope.num_heads, rope.head_dim)
     _check_attention(q_shape, qkv.dtype, k_cache, v_cache, block_tables, context_lens)
     _check_device(qkv, rope.positions, rope.cos, rope.sin, k_cache, v_cache, block_tables, context_lens)
-    q_like = torch.empty(q_shape, dtype=qkv.dtype, device=qkv.device)  # the rotated q's shape: out's
-    return _attend(qkv, (qkv.stride(0), head_dim, 1), rope, k_cache, v_cache, block_tables, context_lens, scale,
-                   _output(q_like, out), num_splits, tile, launch)
+    out = _output(out, q_shape, qkv.dtype, qkv.device)
+    return _attend(qkv, (qkv.stride(0), rope.head_dim, 1), rope, k_cache, v_cache, block_tables, context_lens, scale,
+                   out, num_splits, tile, launch)
 
 
 def _check_attention(q_shape: tuple[int, ...], dtype: torch.dtype, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -529,11 +525,12 @@ def _attend(
     return out
 
 
-def _output(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    """The attention's output tensor: `out` (checked against q) or a new one."""
+def _output(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+            ) -> torch.Tensor:
+    """The attention's output tensor: `out` (checked against q's shape, dtype and device) or a new one."""
     if out is None:
-        return torch.empty_like(q)
-    torch_ref.check_out(out, q)
+        return torch.empty(shape, dtype=dtype, device=device)
+    torch_ref.check_out(out, shape, dtype, device)
     return out
 
 

@@ -168,7 +168,7 @@ def prefill_attention(
         chunks, positions = torch_ref.chunk_rows(cu_query_lens, start_positions, num_rows)
         context_lens = (positions + 1).to(torch.int32)
         return tb.paged_attention(q, k_cache, v_cache, block_tables[chunks], context_lens, scale, out=out)
-    out = tb._output(q, out)
+    out = tb._output(out, q.shape, q.dtype, q.device)
     if num_rows == 0 or num_chunks == 0:
         return out
 

@@ -272,13 +272,7 @@ def check_rotary_targets(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: int
         raise ValueError(f"caches {tuple(k_cache.shape)} {k_cache.dtype}, {tuple(v_cache.shape)} {v_cache.dtype}, "
                          f"slots {tuple(slot_mapping.shape)} and positions {tuple(rope.positions.shape)} do not fit "
                          f"{rows} rows of {dtype} with {rope.num_kv_heads} kv heads of {rope.head_dim}")
-    _check_rope_table(rope)
-
-
-def _check_rope_table(rope: Rotary) -> None:
-    cos, sin, head_dim = rope.cos, rope.sin, rope.head_dim
-    if cos.shape != sin.shape or cos.shape[1] != head_dim // 2 or cos.stride(1) != 1 or sin.stride() != cos.stride():
-        raise ValueError(f"cos/sin must be one rope_table pair [max_positions, {head_dim // 2}]")
+    rope.check_table()
 
 
 def _rope(
@@ -290,9 +284,7 @@ def _rope(
     num_rows = qkv.shape[0]
     positions, cos, sin, num_heads, num_kv_heads, head_dim = rope
     heads = num_heads + num_kv_heads
-    if qkv.shape[1] != (heads + num_kv_heads) * head_dim or head_dim % 2:
-        raise ValueError(f"qkv {tuple(qkv.shape)} is not q|k|v of {num_heads}+2×{num_kv_heads} heads of {head_dim}")
-    _check_rope_table(rope)
+    rope.check_qkv(qkv)
     _check_device(qkv, positions, cos, sin, *(cache or ()))
     if num_rows == 0:
         return

@@ -60,6 +60,21 @@ class Rotary(NamedTuple):
     num_kv_heads: int
     head_dim: int
 
+    def check_table(self) -> None:
+        """cos/sin are one rope_table pair [max_positions, Dh/2]; a ValueError otherwise."""
+        cos, sin, half = self.cos, self.sin, self.head_dim // 2
+        if cos.shape != sin.shape or cos.shape[1:] != (half,) or cos.stride(1) != 1 or sin.stride() != cos.stride():
+            raise ValueError(f"cos/sin must be one rope_table pair [max_positions, {half}]")
+
+    def check_qkv(self, qkv: torch.Tensor) -> None:
+        """qkv [N, (Hq + 2·Hkv)·Dh] holds q|k|v rows of these heads at these positions [N], and the
+        table is one rope_table pair; a ValueError otherwise."""
+        heads, dim = self.num_heads + 2 * self.num_kv_heads, self.head_dim
+        if qkv.dim() != 2 or qkv.shape[1] != heads * dim or dim % 2 or self.positions.shape != qkv.shape[:1]:
+            raise ValueError(f"qkv {tuple(qkv.shape)} is not q|k|v rows of {self.num_heads}+2×{self.num_kv_heads} "
+                             f"heads of {dim} at positions {tuple(self.positions.shape)}")
+        self.check_table()
+
 
 @runtime_checkable
 class RotaryAttentionContext(AttentionContext, Protocol):
