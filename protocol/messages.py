@@ -35,7 +35,8 @@ from protocol.columns import F64, I32, I64, U64, Columnar
 # 12: WorkerReady.prefill_token_buckets (the engine sizes a step's prompt tokens to a captured bucket).
 # 13: WorkerConfig.mixed_graphs (mixed batches' passes from CUDA graphs).
 # 14: WorkerConfig.fused_rotary_attention (a decode batch's RoPE, K/V write and attention in one launch).
-PROTOCOL_VERSION = 14
+# 15: StepResult.early (the rows of requests that ended mid-plan, sent before the plan's last pass).
+PROTOCOL_VERSION = 15
 
 
 class Stage(enum.IntEnum):
@@ -440,6 +441,11 @@ class StepResult(Columnar, msgspec.Struct, tag=True, array_like=True, omit_defau
     a token ended its request (or it continued a slot whose request had ended: no row at all), one
     row for where it stopped: RECURRENT (depth = loops run at its position, 0 just after its
     PRELUDE; exit_states) or EXITED (its position exited after `depth` loops; boundary work next).
+
+    A plan may come back in several messages: `early` ones first, each with every row of the
+    requests that ended (max_tokens, a stop token the worker read) at a pass before the plan's last,
+    sent once that pass has run; then the plan's result (`early` False), with the other rows, which
+    completes the plan. A request's rows are all in one of them, in order.
     """
 
     COLUMNS: ClassVar = {
@@ -458,6 +464,7 @@ class StepResult(Columnar, msgspec.Struct, tag=True, array_like=True, omit_defau
     num_free_slots: int = 0
     error: str = ""  # non-empty: the plan failed; the engine ends the requests the plan reached with an error
     applied: AppliedOps | None = None  # with an error: the slot ops applied before the failure
+    early: bool = False  # ended requests' rows ahead of the plan's result, which follows (num_free_slots: 0)
 
     def __post_init__(self) -> None:
         self._check_columns()

@@ -206,7 +206,7 @@ class LLMEngine:
     def _collect(self, timeout: float | None) -> list[Request]:
         changed: list[Request] = []
         for worker, event in self.executor.collect(timeout=timeout):
-            if isinstance(event, StepResult):
+            if isinstance(event, StepResult) and not event.early:  # an early result leaves its plan in flight
                 self._in_flight[worker] -= 1
             changed.extend(self._apply(worker, event))
         return changed

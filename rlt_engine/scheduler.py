@@ -518,8 +518,10 @@ class Scheduler(SchedulerFaults):
     # ------------------------------------------------------------------ results
 
     def update(self, worker: int, result: StepResult) -> list[Request]:
-        """Apply one StepResult of `worker`; returns the requests whose output changed."""
-        self.books[worker].completed(result.step_id, result.num_free_slots)
+        """Apply one StepResult of `worker`; returns the requests whose output changed. An early result
+        (rows of requests that ended mid-plan) leaves its plan in flight: the plan's own result completes it."""
+        if not result.early:
+            self.books[worker].completed(result.step_id, result.num_free_slots)
         changed: dict[int, Request] = {}
         rows = zip(
             result.col("keys").tolist(), result.col("generations").tolist(), result.col("stages").tolist(),

@@ -7,7 +7,8 @@
                               (ExitTest.PLANNED: the engine's depths, compared on the host, no readback)
                               refill: their boundary work now; no_refill: they stop (EXITED)
     boundary work of rows E   [FINALIZE (LAST_EXITED, exit depth < D)] → CODA: output i of each row
-                              → output max_tokens − 1 ends a row → the others: PRELUDE of the
+                              → output max_tokens − 1 ends a row (its rows go out in an early
+                              result before the next pass) → the others: PRELUDE of the
                               token at position + 1 (its depth 0, output i + 1), which joins the
                               next pass; the tokens stay on the device (a device test reads them
                               back with the next pass's exits: a stop token ends its row there)
@@ -254,6 +255,7 @@ class DecodeLoop:
                 continue
             if not len(looping):
                 break
+            self._send_ended(results)
             exits = self._pass(looping)
             passes += 1
             if self.batch.refill:
@@ -383,6 +385,14 @@ class DecodeLoop:
         return self.rows.indices[indices] == self.rows.last_index[indices]
 
     # ------------------------------------------------------------------ results
+
+    def _send_ended(self, results: ResultBuilder) -> None:
+        """Before a further pass, the rows of requests that ended so far (their last output sampled, or
+        a stop token read back) go out early: they reach the engine when the work queued up to here
+        has run, not after this plan's remaining passes (ResultBuilder.send_early)."""
+        ended = self.rows.keys[self.rows.finished]
+        if len(ended):
+            results.send_early(ended)
 
     def _report_ends(self, results: ResultBuilder, exit_states: np.ndarray | None = None) -> None:
         """Where each row whose request goes on stopped: RECURRENT (looping) or EXITED (`exit_states`:

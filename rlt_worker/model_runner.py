@@ -220,18 +220,20 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ plan
 
-    def execute(self, plan: ExecutionPlan) -> StepResult:
-        """Run a plan and wait for its result."""
-        return self.submit(plan).result()
+    def execute(self, plan: ExecutionPlan) -> list[StepResult]:
+        """Run a plan and wait for its results (early ones first, then the plan's)."""
+        return [pending.result() for pending in self.submit(plan)]
 
     @torch.inference_mode()
-    def submit(self, plan: ExecutionPlan) -> PendingResult:
-        """Apply a plan in its order (admits, appends, batches, releases); its result rows are on
-        their way to the host when this returns (on the CPU: there already).
+    def submit(self, plan: ExecutionPlan) -> list[PendingResult]:
+        """Apply a plan in its order (admits, appends, batches, releases); its results are on their
+        way to the host when this returns (on the CPU: there already), in the order they are to be
+        sent: early results of requests that ended mid-plan (ResultBuilder.send_early), then the
+        plan's, which completes it.
 
         `applied` counts the slot ops done so far, so a plan that raises midway can say which of
         its slot ops took effect (the Worker puts it into the error result)."""
-        results = ResultBuilder(plan.step_id)
+        results = ResultBuilder(plan.step_id, self._copy_stream)
         self.applied = AppliedOps()
         self._riding = None  # a failed plan's riding chunk is dropped with the plan
         for admit in plan.admits:
@@ -259,7 +261,7 @@ class ModelRunner:
         self._swap.export(self, plan.exports)
         self._release(plan.releases)
         self._swap.drop(self, plan.swap_drops)
-        return results.finish(self.num_free_slots, self._copy_stream)
+        return results.finish(self.num_free_slots)
 
     # ------------------------------------------------------------------ slot table
 

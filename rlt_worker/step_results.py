@@ -12,6 +12,12 @@ on the compute stream can race the copy, and the result is one transfer, not one
 Deferred rows (`defer`: a device-refill plan's, whose rows and counts are on the device too) are
 copied on the compute stream by their owner (`HostCopies`) and turned into rows when the result is
 built; the copy stream waits for the compute stream, so the result's event covers their copies too.
+
+Early results (`send_early`): when a request ends at a pass before the plan's last (its last output
+sampled, or a stop token read back), its rows so far are snapshotted and copied the same way at that
+point of the compute stream, so they reach the engine while the plan's later passes run (a row that
+ends in a 16-pass plan's fourth pass is not delivered 12 passes late); the plan's result leaves them
+out. `finish` returns the early results and then the plan's, in the order they are sent.
 """
 
 from __future__ import annotations
@@ -62,12 +68,17 @@ class HostCopies:
 
 
 class ResultBuilder:
-    """Rows in plan order; device values are read back once, when the plan's rows are all in."""
+    """Rows in plan order; device values are read back once, when the plan's rows are all in, except
+    the rows of requests that ended mid-plan, which go ahead in an early result (`send_early`)."""
 
-    def __init__(self, step_id: int) -> None:
+    def __init__(self, step_id: int, copy_stream: torch.cuda.Stream | None = None) -> None:
         self.step_id = step_id
+        self._copy_stream = copy_stream  # None: the CPU, results are built at once
         self._parts: list[dict[str, object]] = []
         self._landings: list[torch.cuda.Event] = []  # the events of deferred rows' copies (CUDA)
+        self._early: list[PendingResult] = []
+        self._sent_keys: set[int] = set()  # requests whose rows an early result carries
+        self._only_keys: set[int] | None = None  # an early result's builder: the requests it carries
 
     def defer(self, rows: Callable[[], list[dict[str, object]]], copied: torch.cuda.Event | None) -> None:
         """Rows known once device values land (`copied`): `rows()`, called when the result is built,
@@ -93,15 +104,38 @@ class ResultBuilder:
              "exit_states": exit_states, "tokens": tokens, "logprobs": logprobs}
         )
 
-    def finish(self, num_free_slots: int, copy_stream: torch.cuda.Stream | None) -> PendingResult:
-        """Every row is in: start the copy of the device values (on `copy_stream`, behind the compute
-        stream's work so far; None: the CPU, build now)."""
+    def send_early(self, keys: np.ndarray) -> None:
+        """Every row added so far of these requests (which ended: nothing follows them in this plan)
+        goes out in an early result, whose copy is queued behind the work queued so far, so it lands
+        when that work has run, before the plan's end; the plan's result leaves those rows out. Only
+        host rows: a deferred part's requests end where its plan lands."""
+        new = set(keys.tolist()) - self._sent_keys
+        if not new:
+            return
+        wanted = list(new)
+        early = ResultBuilder(self.step_id, self._copy_stream)
+        # Copies of the parts: building a result puts host values into its parts, and this plan's own
+        # result snapshots them again later (their other requests' rows).
+        early._parts = [dict(part) for part in self._parts
+                        if "deferred" not in part and np.isin(part["keys"], wanted).any()]
+        early._only_keys = new
+        self._sent_keys |= new
+        if early._parts:  # a row that continued an ended request's slot has no rows at all
+            self._early.append(early._pending(num_free_slots=0, early=True))
+
+    def finish(self, num_free_slots: int) -> list[PendingResult]:
+        """Every row is in: the plan's results in order, the early ones and then its own, whose copy
+        starts now (on the copy stream, behind the compute stream's work so far; the CPU: built now)."""
+        return [*self._early, self._pending(num_free_slots)]
+
+    def _pending(self, num_free_slots: int, early: bool = False) -> PendingResult:
+        copy_stream = self._copy_stream
         device_fields = [(part, name) for part in self._parts if "deferred" not in part for name in _DEVICE_FIELDS
                          if isinstance(part[name], torch.Tensor)]
         if copy_stream is None or not (device_fields or self._landings):
-            return PendingResult.done(self.build(num_free_slots))
+            return PendingResult.done(self.build(num_free_slots, early))
         if not device_fields:  # only deferred rows: their copies' last event is the result's
-            return PendingResult(lambda: self.build(num_free_slots), self._landings[-1])
+            return PendingResult(lambda: self.build(num_free_slots, early), self._landings[-1])
         values = [part[name].reshape(-1) for part, name in device_fields]
         # One float64 buffer holds them all exactly (token ids, float32 or float64 values).
         snapshot = torch.cat([v.to(torch.float64) for v in values])
@@ -117,22 +151,25 @@ class ResultBuilder:
         def build() -> StepResult:
             for (part, name), chunk in zip(device_fields, np.split(host.numpy(), np.cumsum(sizes)[:-1]), strict=True):
                 part[name] = chunk
-            return self.build(num_free_slots)
+            return self.build(num_free_slots, early)
 
         return PendingResult(build, copied)
 
-    def build(self, num_free_slots: int) -> StepResult:
-        """The packed StepResult of every row added so far."""
+    def build(self, num_free_slots: int, early: bool = False) -> StepResult:
+        """The packed StepResult of every row added so far (less those sent early; an early result's
+        builder: only its requests' rows)."""
         columns: dict[str, list[np.ndarray]] = {name: [] for name in ("k", "g", "s", "d", "x", "t", "lp")}
         for part in self._expanded():
-            n = len(part["keys"])
-            columns["k"].append(part["keys"])
-            columns["g"].append(part["generations"])
-            columns["s"].append(np.full(n, int(part["stage"])))
-            columns["d"].append(_host(part["depths"], n, 0))
-            columns["x"].append(_host(part["exit_states"], n, math.nan))
-            columns["t"].append(_host(part["tokens"], n, -1))
-            columns["lp"].append(_host(part["logprobs"], n, math.nan))
+            keys = np.asarray(part["keys"])
+            n = len(keys)
+            kept = self._kept(keys)
+            columns["k"].append(keys[kept])
+            columns["g"].append(np.asarray(part["generations"])[kept])
+            columns["s"].append(np.full(n, int(part["stage"]))[kept])
+            columns["d"].append(_host(part["depths"], n, 0)[kept])
+            columns["x"].append(_host(part["exit_states"], n, math.nan)[kept])
+            columns["t"].append(_host(part["tokens"], n, -1)[kept])
+            columns["lp"].append(_host(part["logprobs"], n, math.nan)[kept])
 
         def joined(name: str, dtype: str) -> bytes:
             return pack(np.concatenate(columns[name]) if columns[name] else [], dtype)
@@ -141,9 +178,16 @@ class ResultBuilder:
             step_id=self.step_id,
             keys=joined("k", I64), generations=joined("g", I64), stages=joined("s", I32),
             depths=joined("d", I32), exit_states=joined("x", F64), tokens=joined("t", I32),
-            logprobs=joined("lp", F64), num_free_slots=num_free_slots,
+            logprobs=joined("lp", F64), num_free_slots=num_free_slots, early=early,
         )
 
+    def _kept(self, keys: np.ndarray) -> np.ndarray:
+        """bool [rows]: the rows this builder's result carries."""
+        if self._only_keys is not None:
+            return np.isin(keys, list(self._only_keys))
+        if self._sent_keys:
+            return ~np.isin(keys, list(self._sent_keys))
+        return np.ones(len(keys), dtype=bool)
 
     def parts(self) -> list[dict[str, object]]:
         """The rows added so far (what a deferred `rows()` returns of a builder it filled)."""

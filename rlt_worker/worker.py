@@ -134,21 +134,23 @@ class Worker:
         return kv_pool_blocks(free, total, self.config.gpu_memory_utilization,
                               bytes_per_block(info, self.config.block_size, dtype), str(device))
 
-    def execute(self, plan: ExecutionPlan) -> StepResult:
-        """Run one plan and wait for its result."""
-        return self.submit(plan).result()
+    def execute(self, plan: ExecutionPlan) -> list[StepResult]:
+        """Run one plan and wait for its results (early ones first, then the plan's)."""
+        return [pending.result() for pending in self.submit(plan)]
 
-    def submit(self, plan: ExecutionPlan) -> PendingResult:
-        """Queue one plan's work (on the CPU: run it); its result is ready once its copy lands. A
-        failure becomes an error result instead of killing the worker."""
+    def submit(self, plan: ExecutionPlan) -> list[PendingResult]:
+        """Queue one plan's work (on the CPU: run it); its results, in the order they are to be sent
+        (ModelRunner.submit), are ready once their copies land. A failure becomes one error result
+        instead of killing the worker (early results of the failed plan are not sent: the engine
+        reconciles the whole plan)."""
         assert self.runner is not None, "start() first"
         try:
             return self.runner.submit(plan)
         except Exception as exc:  # the engine decides what a failed plan means
             log.exception("plan %d failed", plan.step_id)
-            return PendingResult.done(StepResult(
+            return [PendingResult.done(StepResult(
                 step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}", applied=self.runner.applied,
-                num_free_slots=self.runner.num_free_slots))
+                num_free_slots=self.runner.num_free_slots))]
 
     def close(self) -> None:
         """Drop the runner and free its device memory now. The runner and its graphs, decode loop and

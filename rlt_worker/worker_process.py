@@ -272,7 +272,7 @@ def _serve(link: EngineLink, worker: Worker, interval_s: float) -> int:
 
 def _serve_plans(link: EngineLink, worker: Worker, interval_s: float) -> int:
     deadline_s = min(3 * interval_s, MAX_DEADLINE_S)
-    pending: list[PendingResult] = []  # plans queued, in order, whose results are not sent yet
+    pending: list[PendingResult] = []  # results of the plans queued (early ones first), in order, not sent yet
     while True:
         next_beat = link.last_sent + interval_s - time.monotonic()
         # A result on its way: poll without waiting, so it leaves as soon as it lands.
@@ -281,7 +281,7 @@ def _serve_plans(link: EngineLink, worker: Worker, interval_s: float) -> int:
             if isinstance(message, ExecutionPlan):
                 link.executing = True
                 try:
-                    pending.append(worker.submit(message))
+                    pending.extend(worker.submit(message))
                 finally:
                     link.executing = False
                 _send_landed(link, pending)

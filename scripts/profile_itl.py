@@ -60,7 +60,7 @@ class StepRecorder:
     """Times every engine.step, and what each one submitted, collected and spent in gc."""
 
     def __init__(self, engine) -> None:
-        self.engine, self.steps, self.deliveries = engine, [], []  # deliveries: (request, tokens, time)
+        self.engine, self.steps, self.deliveries = engine, [], []  # deliveries: (request, tokens, time, finished)
         self._real_step, self._gc_start, self._active = engine.step, 0.0, False
         self._runner = getattr(getattr(engine.executor, "_worker", None), "runner", None)
         engine.add_plan_listener(self._on_plan)
@@ -89,7 +89,7 @@ class StepRecorder:
         outputs = self._real_step(*args, **kwargs)
         step.end = time.perf_counter()
         step.captures = self._captures() - before
-        self.deliveries.extend((out.request_id, out.num_tokens, step.end) for out in outputs)
+        self.deliveries.extend((out.request_id, out.num_tokens, step.end, out.finished) for out in outputs)
         return outputs
 
     def _on_plan(self, worker: int, plan: ExecutionPlan) -> None:
@@ -117,25 +117,28 @@ class StepRecorder:
             self.steps[-1].gc_ms[info["generation"]] += (time.perf_counter() - self._gc_start) * 1e3
 
 
-def gaps(deliveries: list[tuple[str, int, float]]) -> list[tuple[float, float, int]]:
-    """Every request's gaps (previous delivery, this one, new tokens), from its second delivery on."""
+def gaps(deliveries: list[tuple[str, int, float, bool]]) -> list[tuple[float, float, int, bool]]:
+    """Every request's gaps (previous delivery, this one, new tokens, whether this one finished the
+    request), from its second delivery on."""
     last: dict[str, tuple[int, float]] = {}
     out = []
-    for request, tokens, t in deliveries:
+    for request, tokens, t, finished in deliveries:
         if request in last and tokens > last[request][0]:
-            out.append((last[request][1], t, tokens - last[request][0]))
+            out.append((last[request][1], t, tokens - last[request][0], finished))
         if request not in last or tokens > last[request][0]:
             last[request] = (tokens, t)
     return out
 
 
-def what_gaps_hold(steps: list[Step], chosen: list[tuple[float, float, int]]) -> dict:
-    """The mean over `chosen` gaps of what their steps (those ending inside the gap) held."""
+def what_gaps_hold(steps: list[Step], chosen: list[tuple[float, float, int, bool]]) -> dict:
+    """The mean over `chosen` gaps of what their steps (those ending inside the gap) held; `last`: the
+    share of gaps that end with the request's finished output (its last tokens)."""
     sums: dict[str, float] = defaultdict(float)
     kinds: dict[str, int] = defaultdict(int)
-    for t0, t1, _ in chosen:
+    for t0, t1, _, finished in chosen:
         inside = [s for s in steps if t0 < s.end <= t1]
         sums["gap_ms"] += (t1 - t0) * 1e3
+        sums["last"] += finished
         sums["steps"] += len(inside)
         for s in inside:
             sums["prompt_tokens"] += s.prompt_tokens
@@ -151,14 +154,14 @@ def what_gaps_hold(steps: list[Step], chosen: list[tuple[float, float, int]]) ->
             "step_kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1]))}
 
 
-def slowest(steps: list[Step], all_gaps: list[tuple[float, float, int]], count: int = 6) -> list[dict]:
+def slowest(steps: list[Step], all_gaps: list[tuple[float, float, int, bool]], count: int = 6) -> list[dict]:
     """The `count` slowest gaps per token, each with its steps in order (kind, ms, what they ran)."""
     ranked = sorted(all_gaps, key=lambda g: -(g[1] - g[0]) / g[2])[:count]
-    return [{"per_token_ms": round((t1 - t0) / k * 1e3, 2), "tokens": k,
+    return [{"per_token_ms": round((t1 - t0) / k * 1e3, 2), "tokens": k, "last": finished,
              "steps": [[s.kind, round((s.end - s.start) * 1e3, 2), s.prompt_tokens, s.riding_tokens, s.loop_rows,
                         s.decode_passes, round(sum(s.gc_ms.values()), 2), s.captures]
                        for s in steps if t0 < s.end <= t1]}
-            for t0, t1, k in ranked]
+            for t0, t1, k, finished in ranked]
 
 
 def step_table(steps: list[Step]) -> dict:
@@ -189,7 +192,7 @@ def run_variant(engine, recorder: StepRecorder, jobs, c: int, frozen: bool, seco
     if frozen:
         gc.unfreeze()
     all_gaps = gaps(recorder.deliveries)
-    per_token = sorted(g for t0, t1, k in all_gaps for g in [(t1 - t0) / k] * k)
+    per_token = sorted(g for t0, t1, k, _ in all_gaps for g in [(t1 - t0) / k] * k)
     p40, p50, p60, p99 = (percentile(per_token, q) for q in (40, 50, 60, 99))
     slow = [g for g in all_gaps if (g[1] - g[0]) / g[2] >= p99]
     typical = [g for g in all_gaps if p40 <= (g[1] - g[0]) / g[2] <= p60]

@@ -135,8 +135,8 @@ def _results_land_late(monkeypatch: pytest.MonkeyPatch) -> None:
     """CUDA's timing on the CPU: a plan's result is built when the engine reads it, and the engine reads
     only the oldest (on CUDA the newest plan's copies are still on their way), so a continuing row's
     next plan is built before its last one has landed, plan after plan."""
-    def finish(self: ResultBuilder, num_free_slots: int, copy_stream: object) -> PendingResult:
-        return PendingResult(lambda: self.build(num_free_slots))
+    def finish(self: ResultBuilder, num_free_slots: int) -> list[PendingResult]:
+        return [*self._early, PendingResult(lambda: self.build(num_free_slots))]
 
     def collect(self: InprocExecutor, timeout: float | None = None) -> list:
         oldest, self._pending = self._pending[:1], self._pending[1:]

@@ -32,19 +32,21 @@ def test_side_stream_copy_reads_a_snapshot() -> None:
     device = torch.device("cuda")
     tokens = torch.arange(5, device=device)
     logprobs = torch.linspace(-1, 0, 5, device=device, dtype=torch.float32)
-    builder = ResultBuilder(step_id=3)
+    builder = ResultBuilder(step_id=3, copy_stream=torch.cuda.Stream(device))
     keys = np.arange(5, dtype=np.int64)
     builder.add(Stage.CODA, keys, keys, depths=np.full(5, 4), tokens=tokens, logprobs=logprobs)
     builder.add(Stage.RECURRENT, keys, keys, depths=np.zeros(5, dtype=np.int64),
                 exit_states=torch.full((5,), 0.25, device=device, dtype=torch.float64))
-    pending = builder.finish(num_free_slots=2, copy_stream=torch.cuda.Stream(device))
+    builder.send_early(np.array([1]))
+    early, pending = builder.finish(num_free_slots=2)
     tokens.fill_(-7)  # the next plan's work on the compute stream
     logprobs.fill_(9.0)
     result = pending.result()
-    assert pending.is_ready()
-    assert result.col("tokens").tolist() == [0, 1, 2, 3, 4, -1, -1, -1, -1, -1]
-    np.testing.assert_allclose(result.col("logprobs")[:5], np.linspace(-1, 0, 5), rtol=1e-6)
-    assert result.col("exit_states")[5:].tolist() == [0.25] * 5 and result.num_free_slots == 2
+    assert pending.is_ready() and early.is_ready()
+    assert early.result().col("tokens").tolist() == [1, -1] and early.result().early  # key 1's rows
+    assert result.col("tokens").tolist() == [0, 2, 3, 4, -1, -1, -1, -1]
+    np.testing.assert_allclose(result.col("logprobs")[:4], np.linspace(-1, 0, 5)[[0, 2, 3, 4]], rtol=1e-6)
+    assert result.col("exit_states")[4:].tolist() == [0.25] * 4 and result.num_free_slots == 2
 
 
 @pytest.mark.parametrize("mode", ["fixed", "trace", "ouro"])

@@ -1,5 +1,5 @@
 """ResultBuilder (rlt_worker/step_results.py) on the CPU: deferred rows take their place in plan order
-and are asked for only when the result is built."""
+and are asked for only when the result is built; ended requests' rows go ahead in early results."""
 
 from __future__ import annotations
 
@@ -29,12 +29,35 @@ def test_deferred_rows_keep_their_place_and_come_when_built() -> None:
     builder.add(Stage.RECURRENT, _keys(4), _keys(4), depths=np.array([3]),
                 exit_states=torch.tensor([0.5], dtype=torch.float64))
     assert not asked
-    result = builder.finish(num_free_slots=1, copy_stream=None).result()
+    (pending,) = builder.finish(num_free_slots=1)
+    result = pending.result()
     assert asked == [1]
     assert result.col("keys").tolist() == [1, 2, 3, 4]
     assert result.col("tokens").tolist() == [11, 21, 31, -1]
     assert result.col("depths").tolist() == [4, 1, 2, 3]
     assert result.col("exit_states")[3] == 0.5 and result.step_id == 7
+
+
+def test_ended_requests_rows_go_ahead_in_early_results() -> None:
+    """send_early: every row so far of the ended requests, in order, in an early result ahead of the
+    plan's; the plan's result has every other row, in order, and no row is in both."""
+    builder = ResultBuilder(step_id=5)
+    builder.add(Stage.DECODE, _keys(1, 2, 3), _keys(9, 9, 9), depths=np.array([1, 2, 3]), tokens=np.array([10, 20, 30]),
+                logprobs=torch.tensor([-1.0, -2.0, -3.0], dtype=torch.float64))
+    builder.add(Stage.DECODE, _keys(2, 3), _keys(9, 9), depths=np.array([4, 1]), tokens=np.array([21, 31]))
+    builder.send_early(_keys(2))
+    builder.send_early(_keys(2))  # sent already: nothing new
+    builder.send_early(_keys(7))  # no rows (a row that continued an ended request's slot): no result
+    builder.add(Stage.DECODE, _keys(1, 3), _keys(9, 9), depths=np.array([2, 2]), tokens=np.array([11, 32]))
+    builder.add(Stage.RECURRENT, _keys(1, 3), _keys(9, 9), depths=np.array([1, 0]))
+    early, final = (pending.result() for pending in builder.finish(num_free_slots=3))
+    assert early.early and not final.early and early.step_id == final.step_id == 5
+    assert early.col("keys").tolist() == [2, 2] and early.col("tokens").tolist() == [20, 21]
+    assert early.col("depths").tolist() == [2, 4] and early.col("logprobs")[0] == -2.0
+    assert final.col("keys").tolist() == [1, 3, 3, 1, 3, 1, 3]
+    assert final.col("tokens").tolist() == [10, 30, 31, 11, 32, -1, -1]
+    assert final.col("stages").tolist() == [Stage.DECODE] * 5 + [Stage.RECURRENT] * 2
+    assert final.num_free_slots == 3
 
 
 def test_copy_out_on_the_cpu_is_a_snapshot() -> None:

@@ -138,7 +138,7 @@ class DirectWorker:
         return [self._worker.start()]
 
     def submit(self, worker: int, plan: ExecutionPlan) -> None:
-        self._done.append((0, self._worker.execute(plan)))
+        self._done.extend((0, result) for result in self._worker.execute(plan))
 
     def collect(self, timeout: float | None = None) -> list:
         done, self._done = self._done, []

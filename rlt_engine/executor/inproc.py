@@ -33,7 +33,7 @@ class InprocExecutor(Executor):
         self._worker_codec = worker_side_codec()  # the worker's end: decodes plans
         self._engine_codec = engine_worker_codec()  # the engine's end: decodes results
         self._done: list[tuple[int, StepResult | WorkerReady]] = []
-        self._pending: list[PendingResult] = []  # plans submitted, in order, whose results are not collected
+        self._pending: list[PendingResult] = []  # results of the plans submitted (early ones first), not collected
 
     def _cross(self, message: WorkerReady | StepResult) -> WorkerReady | StepResult:
         return self._engine_codec.decode(self._worker_codec.encode(message))
@@ -54,7 +54,7 @@ class InprocExecutor(Executor):
     def submit(self, worker: int, plan: ExecutionPlan) -> None:
         assert self._worker is not None and worker == 0
         received = self._worker_codec.decode(self._engine_codec.encode(plan))
-        self._pending.append(self._worker.submit(received))
+        self._pending.extend(self._worker.submit(received))
 
     def collect(self, timeout: float | None = None) -> list[tuple[int, StepResult | WorkerLost | WorkerReady]]:
         """Every result that has landed, in plan order (the oldest waited for if none has)."""
