@@ -212,7 +212,8 @@ class DecodeLoop:
         they join the next plan); the rows' outputs and ends land when the result is built, or when a
         later plan needs the host's cursors (DecodeCursors.settle), whichever comes first. The rows off
         the device are final on the host now: their cursors are saved at once."""
-        refill.run_passes(self.rows)
+        self._send_ended(results)  # rows that ended in their boundary work before the passes
+        refill.run_passes(self.rows, results)
         if waiting is not None:
             self._after_prefill(waiting, results)  # before the copies: they carry the rows' exit states
         self._save_cursors(np.setdiff1d(np.arange(len(self.rows.slots)), refill.looping))

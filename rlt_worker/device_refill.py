@@ -16,10 +16,12 @@ the flags is decided by masks on the device instead. One pass, captured as one C
       token (the slot's stop mask) → the others: PRELUDE of the token at position + 1 (into the
       dummy slot where the row did not exit) → a row whose new position's next one has no block
       stops there (RECURRENT at depth 0, as the host loop's coverage rule)
-    → "any row running" into a static flag
+    → "any row running" and "rows that ended" into static flags
 
-    host, per pass   one replay, and a copy of the flag to pinned memory; before pass p it waits
-                     for pass p − LEAD's flag (LEAD passes stay queued) and stops when none runs;
+    host, per pass   one replay, and a copy of the flags to pinned memory; before pass p it waits
+                     for pass p − LEAD's flags (LEAD passes stay queued) and stops when none runs;
+                     if rows ended in that pass, the ended rows go out in an early result (one
+                     copy out of the bucket's ends and outputs, turned into rows when it lands);
                      over the plan's last TAIL passes it waits for none (reads only flags landed),
                      so LEAD + TAIL passes stay queued while the engine builds the next plan
     host, per plan   one upload (the rows' columns), one copy out (every output, where each row
@@ -72,12 +74,13 @@ from rlt_worker import mixed_graphs
 from rlt_worker.exit_graphs import EagerExitStep, GraphedExitStep
 from rlt_worker.exit_tests import EXIT_STATE, make_exit_test
 from rlt_worker.sampler import SamplingTensors
+from rlt_worker.step_results import ResultBuilder
 
 if TYPE_CHECKING:
     from rlt_worker.cuda_graphs import LoopPassGraphs
     from rlt_worker.decode_loop import _Rows
     from rlt_worker.model_runner import ModelRunner
-    from rlt_worker.step_results import HostCopies, ResultBuilder
+    from rlt_worker.step_results import HostCopies
 
 log = logging.getLogger("rlt.worker")
 
@@ -93,6 +96,7 @@ MAX_PASSES = 64  # outputs a row may record in one plan (the buffers' width; loo
 # Rows of RefillBuffers.columns (int64 [COLUMNS, R]); RUNNING and FINISHED hold 0 or 1.
 SLOTS, POSITIONS, DEPTHS, INDICES, LAST, COVERED, RUNNING, FINISHED, SEEDS, COUNT = range(10)
 COLUMNS = 10
+ALIVE, ENDED = range(2)  # RefillBuffers.flags
 ChunkKey = tuple[int, int]  # (tokens, chunks): the prefill bucket of prompt chunks riding a pass
 RefillKey = tuple[int, int, ExitTest, ChunkKey | None]  # (rows, width, test, riding chunks' bucket)
 
@@ -104,13 +108,14 @@ class RefillBuffers:
         self.columns = torch.zeros(COLUMNS, rows, dtype=torch.long, device=device)
         self.outputs = torch.zeros(2, rows, MAX_PASSES + 1, dtype=torch.long, device=device)  # tokens, depths
         self.logprobs = torch.zeros(rows, MAX_PASSES + 1, dtype=torch.float64, device=device)
-        self.alive = torch.zeros((), dtype=torch.bool, device=device)
-        # Pass p's copy of `alive` (pinned, and the event after its copy on CUDA), allocated once: a
+        # After each pass: [ALIVE] whether any row still runs, [ENDED] how many rows ended in it.
+        self.flags = torch.zeros(2, dtype=torch.long, device=device)
+        # Pass p's copy of `flags` (pinned, and the event after its copy on CUDA), allocated once: a
         # plan's host loop reads pass p's only within its run_passes, before the next plan's pass p
-        # writes it (stream order), so one flag per pass index serves every plan.
+        # writes it (stream order), so one copy per pass index serves every plan.
         cuda = device.type == "cuda"
-        self.alive_host = torch.zeros(MAX_PASSES, dtype=torch.bool, pin_memory=cuda)
-        self.alive_copied = [torch.cuda.Event() for _ in range(MAX_PASSES)] if cuda else None
+        self.flags_host = torch.zeros(MAX_PASSES, 2, dtype=torch.long, pin_memory=cuda)
+        self.flags_copied = [torch.cuda.Event() for _ in range(MAX_PASSES)] if cuda else None
         self.row_index = torch.arange(rows, device=device)
         self.boundary_slots = torch.zeros(2, rows, dtype=torch.long, device=device)  # ColumnSteps.after_sample
         self.carried = torch.tensor([[POSITIONS], [DEPTHS], [INDICES], [FINISHED]], device=device)  # see _carry
@@ -209,7 +214,8 @@ class ColumnSteps:
         """After the sampler: the exited rows record their outputs (the others write the spare column);
         a row ends at its last output or a stop token (`stops`), else its next position starts at
         depth 0; a row whose next position has no block stops running. `b.boundary_slots` gets the
-        exited rows' slots and the going rows' (both else the dummy), and `b.alive` whether any runs."""
+        exited rows' slots and the going rows' (both else the dummy), and `b.flags` whether any runs and
+        how many ended."""
         c = b.columns
         running = c[RUNNING] > 0
         slots, positions, depths, indices = c[SLOTS], c[POSITIONS], c[DEPTHS], c[INDICES]
@@ -228,7 +234,7 @@ class ColumnSteps:
         completable = (positions + 1 < c[COVERED]) | (indices == c[LAST])
         c[FINISHED] |= ends
         c[RUNNING] = running & ~ends & ~(going & ~completable)
-        b.alive.copy_(c[RUNNING].any())
+        b.flags.copy_(torch.stack((c[RUNNING].any().long(), ends.sum())))
 
 
 def column_steps(device: torch.device, attention_backend: str) -> ColumnSteps:
@@ -279,6 +285,7 @@ class DeviceRefill:
         self.looping, self.max_passes = looping, max_passes
         self.exit_test, self.position_bound = exit_test, position_bound
         self.riding = riding
+        self._sent = np.zeros(len(looping), dtype=bool)  # rows an early result carries (_send_ended)
 
     @classmethod
     def carried_rows(cls, runner: ModelRunner, exit_step: EagerExitStep, refill: bool, slots: np.ndarray,
@@ -394,14 +401,19 @@ class DeviceRefill:
         found = None if chunks is None else runner.refill_graph(num_rows, max_position, exit_test, chunks)
         return None if found is None else RidingGraph(found[0], chunks)
 
-    def run_passes(self, rows: _Rows) -> None:
+    def run_passes(self, rows: _Rows, results: ResultBuilder) -> None:
         """Up to max_passes passes, the first ones with the riding chunks' loops while they have any;
-        nothing waited for at the end."""
-        alive: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        nothing waited for at the end. When a flag the host reads says rows ended in its pass, the
+        rows that ended so far go out early (`_send_ended`)."""
+        flags: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
         runner, bucket = self.runner, self.buffers.columns.shape[1]
         for p in range(self.max_passes):
-            if p >= LEAD and not self._may_run(*alive[p - LEAD], waits=p < self.max_passes - TAIL):
-                break
+            if p >= LEAD:
+                flag, event = flags[p - LEAD]
+                if not self._may_run(flag, event, waits=p < self.max_passes - TAIL):
+                    break
+                if (event is None or event.query()) and int(flag[ENDED]) > 0:
+                    self._send_ended(rows, results)
             if runner.pass_listener is not None:  # tests: a readback per pass
                 runner.report_refill_pass(self.buffers.columns[[SLOTS, POSITIONS, DEPTHS]],
                                           self.buffers.columns[RUNNING] > 0)
@@ -409,10 +421,26 @@ class DeviceRefill:
                 runner.ride_refill_pass(self.riding.graph.replay, self.riding.chunks, len(self.looping), bucket)
             else:
                 self.graph.replay()
-            alive.append(self._running_flag(p))
+            flags.append(self._running_flag(p))
         slots = rows.slots[self.looping]
         runner.refill_resident = ResidentRows(self.buffers, slots, runner.decode_cursors.epochs[slots].copy(),
-                                              self.exit_test, self.position_bound + len(alive))
+                                              self.exit_test, self.position_bound + len(flags))
+
+    def _send_ended(self, rows: _Rows, results: ResultBuilder) -> None:
+        """The bucket's ends and outputs as they are after the passes queued so far, on their way to
+        the host; once landed, the rows that ended in this plan and no earlier early result carried
+        go out in an early result (ResultBuilder.defer_early)."""
+        n, b = len(self.looping), self.buffers
+        copies = self.runner.copy_out(b.columns[[FINISHED, COUNT], :n], b.outputs[:, :n], b.logprobs[:n])
+        results.defer_early(lambda: self._ended_parts(rows, copies.wait()), copies.event)
+
+    def _ended_parts(self, rows: _Rows, values: list[np.ndarray]) -> list[dict[str, object]]:
+        (finished, count), outputs, logprobs = values
+        ended = (finished > 0) & (count > 0) & ~self._sent  # count 0: it had ended before this plan
+        self._sent |= ended
+        sink = ResultBuilder(step_id=-1)
+        self._add_outputs(rows, ended, outputs, logprobs, count, sink)
+        return sink.parts()
 
     def copy_out(self, rows: _Rows) -> HostCopies:
         """The looping rows' columns and outputs and every row's exit state on their way to the host."""
@@ -422,15 +450,15 @@ class DeviceRefill:
                                     self.runner.decode_cursors.exit_values[device_slots, EXIT_STATE])
 
     def _running_flag(self, p: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Whether any row still runs after pass p, copied out without waiting (CUDA: into pass p's
-        pinned flag, then its event)."""
+        """Pass p's flags (whether any row still runs, how many ended), copied out without waiting
+        (CUDA: into pass p's pinned copy, then its event)."""
         b = self.buffers
-        host = b.alive_host[p]
-        host.copy_(b.alive, non_blocking=b.alive_copied is not None)
-        if b.alive_copied is None:
+        host = b.flags_host[p]
+        host.copy_(b.flags, non_blocking=b.flags_copied is not None)
+        if b.flags_copied is None:
             return host, None
-        b.alive_copied[p].record()
-        return host, b.alive_copied[p]
+        b.flags_copied[p].record()
+        return host, b.flags_copied[p]
 
     @staticmethod
     def _may_run(flag: torch.Tensor, event: torch.cuda.Event | None, waits: bool) -> bool:
@@ -441,23 +469,28 @@ class DeviceRefill:
             if not waits and not event.query():
                 return True
             event.synchronize()
-        return bool(flag)
+        return bool(flag[ALIVE])
 
     def land(self, rows: _Rows, values: list[np.ndarray], results: ResultBuilder) -> np.ndarray:
         """The copies landed: the outputs in order per row into `results`, each row's position, depth
         and end into `rows`; returns every row's exit state."""
         looping = self.looping
         columns, outputs, logprobs, states = values
-        tokens, exit_depths, count = outputs[0], outputs[1], columns[COUNT]
-        for j in range(int(count.max(initial=0))):
-            has = count > j
-            picked = looping[has]
-            results.add(Stage.DECODE, rows.keys[picked], rows.generations[picked], depths=exit_depths[has, j],
-                        tokens=tokens[has, j], logprobs=logprobs[has, j])
+        self._add_outputs(rows, np.ones(len(looping), dtype=bool), outputs, logprobs, columns[COUNT], results)
         rows.positions[looping], rows.depths[looping] = columns[POSITIONS], columns[DEPTHS]
         rows.indices[looping] = columns[INDICES]
         rows.running[looping], rows.finished[looping] = columns[RUNNING] > 0, columns[FINISHED] > 0
         return states
+
+    def _add_outputs(self, rows: _Rows, which: np.ndarray, outputs: np.ndarray, logprobs: np.ndarray,
+                     count: np.ndarray, results: ResultBuilder) -> None:
+        """The outputs of the bucket rows `which` (bool [looping]), in order per row, as DECODE rows."""
+        tokens, exit_depths = outputs[0], outputs[1]
+        for j in range(int(count[which].max(initial=0))):
+            has = which & (count > j)
+            picked = self.looping[has]
+            results.add(Stage.DECODE, rows.keys[picked], rows.generations[picked], depths=exit_depths[has, j],
+                        tokens=tokens[has, j], logprobs=logprobs[has, j])
 
 
 def _restart(columns: torch.Tensor) -> None:

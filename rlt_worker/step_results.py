@@ -17,7 +17,9 @@ Early results (`send_early`): when a request ends at a pass before the plan's la
 sampled, or a stop token read back), its rows so far are snapshotted and copied the same way at that
 point of the compute stream, so they reach the engine while the plan's later passes run (a row that
 ends in a 16-pass plan's fourth pass is not delivered 12 passes late); the plan's result leaves them
-out. `finish` returns the early results and then the plan's, in the order they are sent.
+out. A device-refill plan's ended rows are known on the device only: `defer_early` builds them from
+a copy when it lands. `finish` returns the early results and then the plan's, in the order they are
+sent.
 """
 
 from __future__ import annotations
@@ -122,6 +124,25 @@ class ResultBuilder:
         self._sent_keys |= new
         if early._parts:  # a row that continued an ended request's slot has no rows at all
             self._early.append(early._pending(num_free_slots=0, early=True))
+
+    def defer_early(self, rows: Callable[[], list[dict[str, object]]], copied: torch.cuda.Event | None) -> None:
+        """An early result of rows known once `copied` lands (a device-refill plan's ended rows):
+        `rows()`, called when it is built, returns their parts (host values); the result carries
+        those and the host rows added so far of the same requests (a boundary before the passes),
+        which it snapshots now, and their requests leave the plan's result from then on. Results are
+        built in the order they are sent, so the plan's own is built after; an early result whose
+        ended rows an earlier one carried is empty."""
+        early = ResultBuilder(self.step_id, self._copy_stream)
+        early._parts = [dict(part) for part in self._parts if "deferred" not in part]
+
+        def ended_rows() -> list[dict[str, object]]:
+            parts = rows()
+            early._only_keys = {key for part in parts for key in np.asarray(part["keys"]).tolist()}
+            self._sent_keys |= early._only_keys
+            return parts
+
+        early.defer(ended_rows, copied)
+        self._early.append(early._pending(num_free_slots=0, early=True))
 
     def finish(self, num_free_slots: int) -> list[PendingResult]:
         """Every row is in: the plan's results in order, the early ones and then its own, whose copy

@@ -192,15 +192,15 @@ def test_a_plan_ends_with_passes_queued(max_tokens: int, monkeypatch: pytest.Mon
     replayed: list[int] = []  # per plan: the passes replayed so far
     run_passes, running_flag = DeviceRefill.run_passes, DeviceRefill._running_flag
 
-    def counted_run_passes(self: DeviceRefill, rows: object) -> None:
+    def counted_run_passes(self: DeviceRefill, rows: object, results: object) -> None:
         plans.append((self.max_passes, []))
         replayed.append(0)
-        run_passes(self, rows)
+        run_passes(self, rows, results)
 
     def unlanded_flag(self: DeviceRefill, p: int) -> tuple[torch.Tensor, _UnlandedFlag]:
         flag, _ = running_flag(self, p)
         replayed[-1] += 1
-        assert p == replayed[-1] - 1 and flag.data_ptr() == self.buffers.alive_host[p].data_ptr()  # no allocation
+        assert p == replayed[-1] - 1 and flag.data_ptr() == self.buffers.flags_host[p].data_ptr()  # no allocation
         return flag, _UnlandedFlag(plans[-1][1], p)
 
     params = SamplingParams(max_tokens=max_tokens, seed=11, exit_threshold=0.5, temperature=0.0)
@@ -290,3 +290,38 @@ def test_device_refill_is_on_where_pass_graphs_are() -> None:
     assert not EngineConfig(device="cuda", attention_backend="torch").resolved().device_refill
     assert not EngineConfig(device="cpu").resolved().device_refill
     assert not EngineConfig(device="cuda", device_refill=False).resolved().worker_config("cuda").device_refill
+
+
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_rows_that_end_on_the_device_go_out_early(in_flight: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device-refill plan's rows that end at a pass whose flags the host reads (max_tokens, stop
+    tokens) go out in early results ahead of the plan's, with CUDA's timing (results land late); no
+    request's rows are in two of a plan's results, and the outputs are the host loop's and the
+    reference's."""
+    jobs = _jobs("ouro", n=16, max_tokens=24)
+    host = _run("ouro", "last_exited", False, jobs, max_plans_in_flight=in_flight)
+    _results_land_late(monkeypatch)
+    seen: list = []
+    late_collect = InprocExecutor.collect
+
+    def recording(self: InprocExecutor, timeout: float | None = None) -> list:
+        events = late_collect(self, timeout)
+        seen.extend(event for _, event in events)
+        return events
+
+    monkeypatch.setattr(InprocExecutor, "collect", recording)
+    on_device = _run("ouro", "last_exited", True, jobs, max_plans_in_flight=in_flight)
+    assert _finals(on_device) == _finals(host)
+    assert_matches_reference(on_device, "toy-ouro", kv_layout="last_exited", exit_mode="ouro")
+    assert on_device.graph_stats["device_refill_plans"] > 0
+    early = [(i, r) for i, r in enumerate(seen) if r.early and r.num_rows]
+    assert len(early) >= 2, [(r.step_id, r.early, r.num_rows) for r in seen]
+    reasons = {life.key: life.final.finish_reason for life in on_device.lives}
+    carried: set[tuple[int, int]] = set()  # (plan, key) of every early row
+    for i, result in early:
+        keys = set(result.col("keys").tolist())
+        assert not {(result.step_id, k) for k in keys} & carried, "a request in two early results of a plan"
+        carried |= {(result.step_id, k) for k in keys}
+        assert all(reasons[k] in ("length", "stop") for k in keys)
+        (final,) = [r for r in seen[i + 1:] if r.step_id == result.step_id and not r.early]
+        assert not keys & set(final.col("keys").tolist()), "a row in both an early result and its plan's"

@@ -3,8 +3,9 @@
 CPU: in Triton's interpreter (one child process, as test_fused_ops.py): from random bucket states
 (running and stopped rows, padding rows on the dummy slot, rows exiting or not, stop tokens, last
 outputs, next positions with and without a block, counts up to the spare column), both steps leave
-every column, output, logprob, boundary slot and the `alive` flag exactly as the torch ops do; also
-a bucket where no row runs after the step (alive false). GPU (marked gpu): the compiled kernels.
+every column, output, logprob, boundary slot and the flags (any row running, rows ended) exactly as
+the torch ops do; also a bucket where no row runs after the step. GPU (marked gpu): the compiled
+kernels.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def _run(steps: ColumnSteps, b: RefillBuffers, inputs: dict[str, torch.Tensor]) 
     after_pass = b.columns.clone()
     steps.after_sample(b, inputs["exits"], inputs["tokens"], inputs["logprobs"], inputs["stops"], DUMMY)
     return {"index": index, "after_pass": after_pass, "columns": b.columns, "outputs": b.outputs,
-            "logprobs": b.logprobs, "boundary_slots": b.boundary_slots, "alive": b.alive}
+            "logprobs": b.logprobs, "boundary_slots": b.boundary_slots, "flags": b.flags}
 
 
 def check_steps(rows: int, seed: int, device: str = "cpu", all_end: bool = False) -> None:
@@ -74,7 +75,7 @@ def check_steps(rows: int, seed: int, device: str = "cpu", all_end: bool = False
     for name, value in want.items():
         assert torch.equal(got[name], value), (name, got[name], value)
     if all_end:
-        assert not bool(want["alive"])
+        assert not bool(want["flags"][dr.ALIVE])
     elif rows >= 8:  # the random state reaches every branch
         c = want["columns"]
         assert (c[dr.FINISHED] > 0).any() and (c[dr.RUNNING] > 0).any() and (c[dr.DEPTHS] == 0).any()

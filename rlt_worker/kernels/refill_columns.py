@@ -10,7 +10,7 @@ bucket's rows (R ≤ the largest rows bucket, one tile):
     after_sample   outputs recorded at each exited row's count (the others write the spare column),
                    ends (last output or stop token), the next position of the going rows at depth
                    0, FINISHED, RUNNING (stopped where the next position has no block), the
-                   boundary's slot rows and `alive`
+                   boundary's slot rows and `flags` (any row running, rows ended)
 
 Integer and copy work only, so the results are ColumnSteps' exactly (tests/test_refill_columns.py
 checks every column under TRITON_INTERPRET=1). bool tensors are read and written as uint8 views.
@@ -57,7 +57,7 @@ def _pass_rows_kernel(c_ptr, stride_c, index_ptr, stride_i, n, dummy, BLOCK: tl.
 
 
 def _after_sample_kernel(c_ptr, stride_c, exits_ptr, tokens_ptr, logprobs_ptr, stops_ptr,
-                         out_ptr, stride_ok, stride_or, lp_ptr, stride_lr, bslots_ptr, stride_b, alive_ptr,
+                         out_ptr, stride_ok, stride_or, lp_ptr, stride_lr, bslots_ptr, stride_b, flags_ptr,
                          n, dummy, SPARE: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.arange(0, BLOCK)
     ok = r < n
@@ -93,7 +93,8 @@ def _after_sample_kernel(c_ptr, stride_c, exits_ptr, tokens_ptr, logprobs_ptr, s
     tl.store(c_ptr + _FINISHED * stride_c + r, tl.where(ends, 1, finished), mask=ok)
     still = running & (ends == 0) & ((going & (completable == 0)) == 0)
     tl.store(c_ptr + _RUNNING * stride_c + r, still.to(tl.int64), mask=ok)
-    tl.store(alive_ptr, tl.max(tl.where(ok & still, 1, 0), axis=0).to(tl.uint8))
+    tl.store(flags_ptr, tl.max(tl.where(ok & still, 1, 0), axis=0).to(tl.int64))
+    tl.store(flags_ptr + 1, tl.sum(tl.where(ok & ends, 1, 0), axis=0).to(tl.int64))
 
 
 def _one_tile(columns: torch.Tensor) -> tuple[int, int]:
@@ -125,5 +126,5 @@ class TritonColumnSteps(ColumnSteps):
                 raise ValueError(f"{name} must be contiguous [{n}], got {tuple(t.shape)}")
         _kernel(_after_sample_kernel)[(1,)](
             c, c.stride(0), exits.view(torch.uint8), tokens, logprobs, stops.view(torch.uint8),
-            out, out.stride(0), out.stride(1), lp, lp.stride(0), slots, slots.stride(0), b.alive.view(torch.uint8),
+            out, out.stride(0), out.stride(1), lp, lp.stride(0), slots, slots.stride(0), b.flags,
             n, dummy, SPARE=MAX_PASSES, BLOCK=block, num_warps=4)
