@@ -5,6 +5,7 @@
 #
 #   bash scripts/gpu_time_off_paths.sh 1      # steps 1 and 2
 #   bash scripts/gpu_time_off_paths.sh 2      # step 3
+#   bash scripts/gpu_time_off_paths.sh 3      # steps 4 and 5 (needs .bench/base-748a734.tgz: carry .bench)
 #
 # 1. One loop pass and device refill's CODA (scripts/profile_decode_pass.py, rows 1 and 32, PDL on):
 #    the default path, `fused-rotary-attention` (a decode batch's RoPE, K/V write and attention in one
@@ -17,9 +18,14 @@
 # 3. c = 1 throughput (trace, ouro, ouro_replay; median of 3, the float32 gate), the default tree and
 #    a copy of it with --fused-rotary-attention and ouro_fused.HEAD_STRIP_SETTINGS set to the
 #    profile's candidate: $OUT/c1-default.json, $OUT/c1-off-paths.json and their logs.
+# 4. The GPU tests of early results (the side-stream copy with an early result, the refill flags'
+#    kernel, device refill against the host loop). $OUT/tests-early.log.
+# 5. c = 32 ITL p50 / p99 with early results (this tree) against 748a734, the tree before them
+#    (unpacked from .bench/base-748a734.tgz, made with `git archive`): fixed, trace, ouro, 2 runs,
+#    --no-gate. $OUT/c32-early.json, $OUT/c32-base.json and their logs.
 # Each step has its own timeout; a step that runs out leaves the others' files.
 set -uo pipefail
-part=${1:?"usage: gpu_time_off_paths.sh PART (1: pass profile and GPU tests, 2: c = 1 throughput)"}
+part=${1:?"usage: gpu_time_off_paths.sh PART (1: pass profile and GPU tests, 2: c = 1 throughput, 3: early results)"}
 out=${OUT:-/tmp}
 root=$PWD
 t0=$(date +%s)
@@ -50,6 +56,26 @@ timeout 200 python -m pytest -m gpu -q tests/test_triton_attention.py tests/test
   > "$out/tests.log" 2>&1
 step tests $?
 tail -3 "$out/tests.log"
+exit 0
+fi
+
+if [ "$part" = 3 ]; then
+timeout 150 python -m pytest -m gpu -q tests/test_gpu_pipelined.py::test_side_stream_copy_reads_a_snapshot \
+  tests/test_refill_columns.py tests/test_gpu_exit_graphs.py > "$out/tests-early.log" 2>&1
+step tests-early $?
+tail -3 "$out/tests-early.log"
+base=/tmp/rlt-base
+rm -rf "$base" && mkdir -p "$base" && tar -xzf .bench/base-748a734.tgz -C "$base" \
+  && ln -s "$root/rlt_engine/checkpoints" "$base/rlt_engine/checkpoints" || { echo "no base tree"; exit 1; }
+bench=(python -m rlt_engine.cli bench throughput --model synthetic-ouro-1.4b --workers 0 --concurrency 32 --repeats 2
+       --exit fixed,trace,ouro --no-gate --total-seconds 190)
+timeout 200 "${bench[@]}" --json "$out/c32-early.json" > "$out/c32-early.log" 2>&1
+step c32-early $?
+(cd "$base" && PYTHONPATH="/tmp/site:$base" RLT_COMMIT=748a734 timeout 200 "${bench[@]}" \
+  --json "$out/c32-base.json" > "$out/c32-base.log" 2>&1)
+step c32-base $?
+cd "$root"
+grep -hE "^\|" "$out/c32-early.log" "$out/c32-base.log"
 exit 0
 fi
 
