@@ -21,8 +21,10 @@
 # 4. The GPU tests of early results (the side-stream copy with an early result, the refill flags'
 #    kernel, device refill against the host loop). $OUT/tests-early.log.
 # 5. c = 32 ITL p50 / p99 with early results (this tree) against 748a734, the tree before them
-#    (unpacked from .bench/base-748a734.tgz, made with `git archive`): fixed, trace, ouro, 2 runs,
-#    --no-gate. $OUT/c32-early.json, $OUT/c32-base.json and their logs.
+#    (unpacked from .bench/base-748a734.tgz): fixed, trace, ouro, 2 runs, --no-gate.
+#    $OUT/c32-early.json, $OUT/c32-base.json and their logs. Make the archive here first (the device's
+#    copy has no git history): git archive --format=tar.gz -o .bench/base-748a734.tgz 748a734 protocol \
+#      rlt_engine/*.py rlt_engine/bench rlt_engine/executor rlt_engine/http_api rlt_worker scripts pyproject.toml
 # Each step has its own timeout; a step that runs out leaves the others' files.
 set -uo pipefail
 part=${1:?"usage: gpu_time_off_paths.sh PART (1: pass profile and GPU tests, 2: c = 1 throughput, 3: early results)"}
