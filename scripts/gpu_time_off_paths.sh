@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The decode paths built and left off until timed, against the default, on the H200, in two device
+# The decode paths built and left off until timed, against the default, on the H200, in four device
 # calls of < 600 s each. Run from the repository root after the device set-up line
 # (../shared/gpu/README.md), with RLT_COMMIT set to the tree's commit:
 #
-#   bash scripts/gpu_time_off_paths.sh 1      # steps 1 and 2
+#   bash scripts/gpu_time_off_paths.sh 1      # step 1
 #   bash scripts/gpu_time_off_paths.sh 2      # step 3
-#   bash scripts/gpu_time_off_paths.sh 3      # steps 4 and 5 (needs .bench/base-748a734.tgz: carry .bench)
+#   bash scripts/gpu_time_off_paths.sh 3      # step 5 (needs .bench/base-748a734.tgz: carry .bench)
+#   bash scripts/gpu_time_off_paths.sh 4      # steps 2 and 4
 #
 # 1. One loop pass and device refill's CODA (scripts/profile_decode_pass.py, rows 1 and 32, PDL on):
 #    the default path, `fused-rotary-attention` (a decode batch's RoPE, K/V write and attention in one
@@ -13,7 +14,8 @@
 #    float32 and bf16 parity against the default. $OUT/pass.json, $OUT/pass.log.
 #    And at one row, each in a copy of the tree: 16 attention splits instead of 8
 #    (triton_backend._MIN_SPLIT_TOKENS 64), $OUT/pass-splits16.json; the rotary attention's writer
-#    storing before its loop (triton_backend.ROTARY_STORE_FIRST), $OUT/pass-store-first.json.
+#    storing before its loop (triton_backend.ROTARY_STORE_FIRST), $OUT/pass-store-first.json; one
+#    128-token attention tile a split instead of two of 64, $OUT/pass-tile128.json.
 # 2. The GPU tests of those kernels. $OUT/tests.log.
 # 3. c = 1 throughput (trace, ouro, ouro_replay; median of 3, the float32 gate), the default tree and
 #    a copy of it with --fused-rotary-attention and ouro_fused.HEAD_STRIP_SETTINGS set to the
@@ -27,7 +29,7 @@
 #      rlt_engine/*.py rlt_engine/bench rlt_engine/executor rlt_engine/http_api rlt_worker scripts pyproject.toml
 # Each step has its own timeout; a step that runs out leaves the others' files.
 set -uo pipefail
-part=${1:?"usage: gpu_time_off_paths.sh PART (1: pass profile and GPU tests, 2: c = 1 throughput, 3: early results)"}
+part=${1:?"usage: gpu_time_off_paths.sh PART (1: pass profiles, 2: c = 1 throughput, 3: c = 32 ITL, 4: GPU tests)"}
 out=${OUT:-/tmp}
 root=$PWD
 t0=$(date +%s)
@@ -53,27 +55,34 @@ variant() {  # NAME SED-EXPRESSION
 }
 variant splits16 's/^_MIN_SPLIT_TOKENS = 128$/_MIN_SPLIT_TOKENS = 64/'
 variant store-first 's/^ROTARY_STORE_FIRST = False$/ROTARY_STORE_FIRST = True/'
+# One 128-token tile a split instead of two of 64: at one row each program asks for its whole K and V
+# span (64 KB) at once (the 1-row attention reads ~1.1 TB/s: latency, not bandwidth).
+variant tile128 's/^        tile = 64 if use_dot else 16$/        tile = 128 if use_dot else 16/'
 
-timeout 200 python -m pytest -m gpu -q tests/test_triton_attention.py tests/test_strip_gemv.py tests/test_pdl.py \
+exit 0
+fi
+
+if [ "$part" = 4 ]; then
+timeout 250 python -m pytest -m gpu -q tests/test_triton_attention.py tests/test_strip_gemv.py tests/test_pdl.py \
   > "$out/tests.log" 2>&1
 step tests $?
 tail -3 "$out/tests.log"
+timeout 200 python -m pytest -m gpu -q tests/test_gpu_pipelined.py::test_side_stream_copy_reads_a_snapshot \
+  tests/test_refill_columns.py tests/test_gpu_exit_graphs.py > "$out/tests-early.log" 2>&1
+step tests-early $?
+tail -3 "$out/tests-early.log"
 exit 0
 fi
 
 if [ "$part" = 3 ]; then
-timeout 150 python -m pytest -m gpu -q tests/test_gpu_pipelined.py::test_side_stream_copy_reads_a_snapshot \
-  tests/test_refill_columns.py tests/test_gpu_exit_graphs.py > "$out/tests-early.log" 2>&1
-step tests-early $?
-tail -3 "$out/tests-early.log"
 base=/tmp/rlt-base
 rm -rf "$base" && mkdir -p "$base" && tar -xzf .bench/base-748a734.tgz -C "$base" \
   && ln -s "$root/rlt_engine/checkpoints" "$base/rlt_engine/checkpoints" || { echo "no base tree"; exit 1; }
 bench=(python -m rlt_engine.cli bench throughput --model synthetic-ouro-1.4b --workers 0 --concurrency 32 --repeats 2
-       --exit fixed,trace,ouro --no-gate --total-seconds 190)
-timeout 200 "${bench[@]}" --json "$out/c32-early.json" > "$out/c32-early.log" 2>&1
+       --exit fixed,trace,ouro --no-gate --total-seconds 240)
+timeout 250 "${bench[@]}" --json "$out/c32-early.json" > "$out/c32-early.log" 2>&1
 step c32-early $?
-(cd "$base" && PYTHONPATH="/tmp/site:$base" RLT_COMMIT=748a734 timeout 200 "${bench[@]}" \
+(cd "$base" && PYTHONPATH="/tmp/site:$base" RLT_COMMIT=748a734 timeout 250 "${bench[@]}" \
   --json "$out/c32-base.json" > "$out/c32-base.log" 2>&1)
 step c32-base $?
 cd "$root"
