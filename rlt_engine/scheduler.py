@@ -23,7 +23,8 @@ before the last one's result arrives: everything the engine plans (prompt chunks
 exit depth, boundaries) is decided when it is scheduled, a DecodeBatch row whose previous row is
 still in flight continues on the worker (`continues`), and a request found finished late has the
 rest of its rows dropped as stale. Rows whose key or generation is not the request's current one are
-dropped. Per-worker state lives in one WorkerBook per worker; the preemption mode is a strategy;
+dropped. An early result (the rows of requests that ended mid-plan) is applied as it comes, its plan
+still in flight. Per-worker state lives in one WorkerBook per worker; the preemption mode is a strategy;
 faults are in scheduler_faults.py.
 """
 
@@ -90,6 +91,7 @@ class SchedulerStats:
     """Counters for tests, benchmarks and health."""
 
     num_stale_rows: int = 0
+    num_early_results: int = 0  # results of requests that ended mid-plan, ahead of their plan's (StepResult.early)
     num_steps: int = 0
     num_replays: int = 0
     num_preemptions: int = 0
@@ -520,7 +522,9 @@ class Scheduler(SchedulerFaults):
     def update(self, worker: int, result: StepResult) -> list[Request]:
         """Apply one StepResult of `worker`; returns the requests whose output changed. An early result
         (rows of requests that ended mid-plan) leaves its plan in flight: the plan's own result completes it."""
-        if not result.early:
+        if result.early:
+            self.stats.num_early_results += 1
+        else:
             self.books[worker].completed(result.step_id, result.num_free_slots)
         changed: dict[int, Request] = {}
         rows = zip(

@@ -60,12 +60,23 @@ def test_cpu_toy_grid(tmp_path, capsys: pytest.CaptureFixture[str], one_thread: 
         else:
             assert 1.0 <= run["loops_per_generated_token"] < 4.0
         assert (r["floor"] is not None) == (r["concurrency"] == 1)
+        assert run["early_results"] == 0  # one pass a plan on the CPU: a row never ends before its plan's last
     assert "| workers | exit |" in capsys.readouterr().out
     # The bench runs in float32 here, so the gate judged the timed configuration itself (no divergence report).
     assert {key: (g["dtype"], g["equal"], g["failures"], "divergence" in g)
             for key, g in payload["meta"]["gate"].items()} == {
         f"workers=0,exit={mode}": ("float32", 8, [], False) for mode in ("fixed", "trace", "ouro")
     }
+
+
+def test_runs_count_early_results(tmp_path, one_thread: None) -> None:
+    """Several passes a plan: requests that end while others loop on come back in early results, which
+    each run counts."""
+    out = tmp_path / "bench.json"
+    assert main([*TOY_GRID, "--concurrency", "4", "--exit", "trace", "--loops-per-plan", "16", "--no-gate",
+                 "--json", str(out)]) == 0
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["runs"][0]["early_results"] > 0
 
 
 def test_resume_runs_only_what_is_missing(tmp_path, one_thread: None) -> None:

@@ -676,11 +676,12 @@ class Grid:
                     break
                 jobs = make_jobs(a.requests_factor * c, a.prompt_len, engine.model_info.vocab_size,
                                  self._timed_workload(workers, exit_mode, c), a.seed + c)
-                before = engine.health()
+                before, early = engine.health(), engine.scheduler.stats.num_early_results
                 run = cold_closed_loop(engine, jobs, c, deadline)
                 if exit_mode in GATE_WORKLOADS and not repeat and run.finished == len(jobs):
                     self.gate_depths[(workers, exit_mode, c)] = [run.exit_depths[i] for i in range(len(jobs))]
-                config.runs.append(dict(run.summary(), prefix_cache_hit_ratio=_hit_ratio(before, engine.health())))
+                config.runs.append(dict(run.summary(), prefix_cache_hit_ratio=_hit_ratio(before, engine.health()),
+                                        early_results=engine.scheduler.stats.num_early_results - early))
                 s = config.runs[-1]
                 log(f"   c={c:<4} run {repeat + 1}: {s['tokens_per_s']:9.1f} tok/s  "
                     f"{s['output_tokens']} tokens in {s['elapsed_s']:.1f} s"
