@@ -60,7 +60,7 @@ def test_cpu_toy_grid(tmp_path, capsys: pytest.CaptureFixture[str], one_thread: 
         else:
             assert 1.0 <= run["loops_per_generated_token"] < 4.0
         assert (r["floor"] is not None) == (r["concurrency"] == 1)
-        assert run["early_results"] == 0  # one pass a plan on the CPU: a row never ends before its plan's last
+        assert run["early_results"] == 0  # one pass a plan on the CPU: these requests end in their plan's last
     assert "| workers | exit |" in capsys.readouterr().out
     # The bench runs in float32 here, so the gate judged the timed configuration itself (no divergence report).
     assert {key: (g["dtype"], g["equal"], g["failures"], "divergence" in g)
