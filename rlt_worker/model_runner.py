@@ -222,7 +222,7 @@ class ModelRunner:
 
     def execute(self, plan: ExecutionPlan) -> list[StepResult]:
         """Run a plan and wait for its results (early ones first, then the plan's)."""
-        return [pending.result() for pending in self.submit(plan)]
+        return [r for r in (pending.result() for pending in self.submit(plan)) if r is not None]
 
     @torch.inference_mode()
     def submit(self, plan: ExecutionPlan) -> list[PendingResult]:

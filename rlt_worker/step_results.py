@@ -37,7 +37,7 @@ from protocol.messages import Stage, StepResult
 class PendingResult:
     """A plan's StepResult whose device values may still be on their way to the host."""
 
-    def __init__(self, build: Callable[[], StepResult], copied: torch.cuda.Event | None = None) -> None:
+    def __init__(self, build: Callable[[], StepResult | None], copied: torch.cuda.Event | None = None) -> None:
         self._build = build
         self._copied = copied  # None: nothing left on the device
 
@@ -49,8 +49,9 @@ class PendingResult:
         """Whether `result()` returns without waiting for the device."""
         return self._copied is None or self._copied.query()
 
-    def result(self) -> StepResult:
-        """The StepResult (waits for its copy if it has not landed)."""
+    def result(self) -> StepResult | None:
+        """The StepResult (waits for its copy if it has not landed); None: an early result that found
+        nothing to carry (its ended rows went out in an earlier one), so there is nothing to send."""
         if self._copied is not None:
             self._copied.synchronize()
         return self._build()
@@ -130,8 +131,8 @@ class ResultBuilder:
         `rows()`, called when it is built, returns their parts (host values); the result carries
         those and the host rows added so far of the same requests (a boundary before the passes),
         which it snapshots now, and their requests leave the plan's result from then on. Results are
-        built in the order they are sent, so the plan's own is built after; an early result whose
-        ended rows an earlier one carried is empty."""
+        built in the order they are sent, so the plan's own is built after; one whose ended rows an
+        earlier one carried builds None (nothing to send)."""
         early = ResultBuilder(self.step_id, self._copy_stream)
         early._parts = [dict(part) for part in self._parts if "deferred" not in part]
 
@@ -154,9 +155,9 @@ class ResultBuilder:
         device_fields = [(part, name) for part in self._parts if "deferred" not in part for name in _DEVICE_FIELDS
                          if isinstance(part[name], torch.Tensor)]
         if copy_stream is None or not (device_fields or self._landings):
-            return PendingResult.done(self.build(num_free_slots, early))
+            return PendingResult.done(self._sendable(num_free_slots, early))
         if not device_fields:  # only deferred rows: their copies' last event is the result's
-            return PendingResult(lambda: self.build(num_free_slots, early), self._landings[-1])
+            return PendingResult(lambda: self._sendable(num_free_slots, early), self._landings[-1])
         values = [part[name].reshape(-1) for part, name in device_fields]
         # One float64 buffer holds them all exactly (token ids, float32 or float64 values).
         snapshot = torch.cat([v.to(torch.float64) for v in values])
@@ -172,9 +173,14 @@ class ResultBuilder:
         def build() -> StepResult:
             for (part, name), chunk in zip(device_fields, np.split(host.numpy(), np.cumsum(sizes)[:-1]), strict=True):
                 part[name] = chunk
-            return self.build(num_free_slots, early)
+            return self._sendable(num_free_slots, early)
 
         return PendingResult(build, copied)
+
+    def _sendable(self, num_free_slots: int, early: bool) -> StepResult | None:
+        """build(), or None for an early result with no row."""
+        result = self.build(num_free_slots, early)
+        return None if early and not result.num_rows else result
 
     def build(self, num_free_slots: int, early: bool = False) -> StepResult:
         """The packed StepResult of every row added so far (less those sent early; an early result's

@@ -136,7 +136,7 @@ class Worker:
 
     def execute(self, plan: ExecutionPlan) -> list[StepResult]:
         """Run one plan and wait for its results (early ones first, then the plan's)."""
-        return [pending.result() for pending in self.submit(plan)]
+        return [r for r in (pending.result() for pending in self.submit(plan)) if r is not None]
 
     def submit(self, plan: ExecutionPlan) -> list[PendingResult]:
         """Queue one plan's work (on the CPU: run it); its results, in the order they are to be sent

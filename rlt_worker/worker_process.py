@@ -301,7 +301,9 @@ def _serve_plans(link: EngineLink, worker: Worker, interval_s: float) -> int:
 def _send_landed(link: EngineLink, pending: list[PendingResult]) -> None:
     """Send, in plan order, every result whose copy has landed."""
     while pending and pending[0].is_ready():
-        link.send(pending.pop(0).result())
+        result = pending.pop(0).result()
+        if result is not None:  # None: an early result with nothing left to carry
+            link.send(result)
 
 
 def run_worker(

@@ -140,7 +140,8 @@ def _results_land_late(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def collect(self: InprocExecutor, timeout: float | None = None) -> list:
         oldest, self._pending = self._pending[:1], self._pending[1:]
-        done, self._done = self._done + [(0, self._cross(r.result())) for r in oldest], []
+        built = [r.result() for r in oldest]  # None: an early result with nothing left to carry
+        done, self._done = self._done + [(0, self._cross(r)) for r in built if r is not None], []
         return done
 
     monkeypatch.setattr(ResultBuilder, "finish", finish)
@@ -314,7 +315,8 @@ def test_rows_that_end_on_the_device_go_out_early(in_flight: int, monkeypatch: p
     assert _finals(on_device) == _finals(host)
     assert_matches_reference(on_device, "toy-ouro", kv_layout="last_exited", exit_mode="ouro")
     assert on_device.graph_stats["device_refill_plans"] > 0
-    early = [(i, r) for i, r in enumerate(seen) if r.early and r.num_rows]
+    early = [(i, r) for i, r in enumerate(seen) if r.early]
+    assert all(r.num_rows for _, r in early), "an empty early result was sent"
     assert len(early) >= 2, [(r.step_id, r.early, r.num_rows) for r in seen]
     reasons = {life.key: life.final.finish_reason for life in on_device.lives}
     carried: set[tuple[int, int]] = set()  # (plan, key) of every early row

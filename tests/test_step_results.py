@@ -60,6 +60,33 @@ def test_ended_requests_rows_go_ahead_in_early_results() -> None:
     assert final.num_free_slots == 3
 
 
+def test_an_early_result_with_nothing_left_to_carry_is_not_sent() -> None:
+    """defer_early: rows known when it is built; when an earlier early result carried them all, it builds
+    None, and the worker's sender skips it (the next result still goes out, in order)."""
+    from rlt_worker.worker_process import _send_landed
+
+    builder = ResultBuilder(step_id=4)
+    builder.add(Stage.DECODE, _keys(1, 2), _keys(9, 9), depths=np.array([1, 1]), tokens=np.array([10, 20]))
+    ended = ResultBuilder(step_id=-1)
+    ended.add(Stage.DECODE, _keys(2), _keys(9), depths=np.array([3]), tokens=np.array([21]))
+    builder.defer_early(ended.parts, None)
+    builder.defer_early(lambda: [], None)  # found no ended row it had not sent
+    pending = builder.finish(num_free_slots=1)
+
+    class Recording:  # the worker's EngineLink, as _send_landed uses it
+        def __init__(self) -> None:
+            self.sent: list = []
+
+        def send(self, message: object) -> None:
+            self.sent.append(message)
+
+    link = Recording()
+    _send_landed(link, pending)
+    first, final = link.sent
+    assert first.early and first.col("keys").tolist() == [2, 2] and first.col("tokens").tolist() == [20, 21]
+    assert not final.early and final.col("keys").tolist() == [1]
+
+
 def test_copy_out_on_the_cpu_is_a_snapshot() -> None:
     """A device-refill plan's copies land after the next plan may have written its buffers: on the CPU
     copy_out's values are copies, so writing the source afterwards does not change them."""

@@ -62,7 +62,8 @@ class InprocExecutor(Executor):
         while landed < len(self._pending) and (landed == 0 or self._pending[landed].is_ready()):
             landed += 1
         results, self._pending = self._pending[:landed], self._pending[landed:]
-        done, self._done = self._done + [(0, self._cross(r.result())) for r in results], []
+        built = [r.result() for r in results]  # None: an early result with nothing left to carry
+        done, self._done = self._done + [(0, self._cross(r)) for r in built if r is not None], []
         return done
 
     def shutdown(self) -> None:
