@@ -115,12 +115,7 @@ class ResultBuilder:
         new = set(keys.tolist()) - self._sent_keys
         if not new:
             return
-        wanted = list(new)
-        early = ResultBuilder(self.step_id, self._copy_stream)
-        # Copies of the parts: building a result puts host values into its parts, and this plan's own
-        # result snapshots them again later (their other requests' rows).
-        early._parts = [dict(part) for part in self._parts
-                        if "deferred" not in part and np.isin(part["keys"], wanted).any()]
+        early = self._early_builder(new)
         early._only_keys = new
         self._sent_keys |= new
         if early._parts:  # a row that continued an ended request's slot has no rows at all
@@ -133,8 +128,7 @@ class ResultBuilder:
         which it snapshots now, and their requests leave the plan's result from then on. Results are
         built in the order they are sent, so the plan's own is built after; one whose ended rows an
         earlier one carried builds None (nothing to send)."""
-        early = ResultBuilder(self.step_id, self._copy_stream)
-        early._parts = [dict(part) for part in self._parts if "deferred" not in part]
+        early = self._early_builder()
 
         def ended_rows() -> list[dict[str, object]]:
             parts = rows()
@@ -144,6 +138,16 @@ class ResultBuilder:
 
         early.defer(ended_rows, copied)
         self._early.append(early._pending(num_free_slots=0, early=True))
+
+    def _early_builder(self, keys: set[int] | None = None) -> ResultBuilder:
+        """A builder over copies of the host parts so far (those holding any of `keys`; None: all):
+        building a result puts host values into its parts, and this plan's own result snapshots
+        them again later (their other requests' rows)."""
+        early = ResultBuilder(self.step_id, self._copy_stream)
+        wanted = None if keys is None else list(keys)
+        early._parts = [dict(part) for part in self._parts
+                        if "deferred" not in part and (wanted is None or np.isin(part["keys"], wanted).any())]
+        return early
 
     def finish(self, num_free_slots: int) -> list[PendingResult]:
         """Every row is in: the plan's results in order, the early ones and then its own, whose copy
