@@ -15,7 +15,9 @@
 #    And at one row, each in a copy of the tree: 16 attention splits instead of 8
 #    (triton_backend._MIN_SPLIT_TOKENS 64), $OUT/pass-splits16.json; the rotary attention's writer
 #    storing before its loop (triton_backend.ROTARY_STORE_FIRST), $OUT/pass-store-first.json; one
-#    128-token attention tile a split instead of two of 64, $OUT/pass-tile128.json.
+#    128-token attention tile a split instead of two of 64, $OUT/pass-tile128.json; and, at rows 1
+#    and 32, Ouro's MHA attention (one q head a kv head) without tl.dot (scores and the weighted sum
+#    by tl.sum on CUDA cores, 64-token tiles, no padding of the one q row to 16), $OUT/pass-nodot.json.
 # 2. The GPU tests of those kernels. $OUT/tests.log.
 # 3. c = 1 throughput (trace, ouro, ouro_replay; median of 3, the float32 gate), the default tree and
 #    a copy of it with --fused-rotary-attention and ouro_fused.HEAD_STRIP_SETTINGS set to the
@@ -36,7 +38,7 @@ t0=$(date +%s)
 step() { echo "$1 rc=$2 $(( $(date +%s) - t0 ))s"; }
 
 if [ "$part" = 1 ]; then
-timeout 180 python scripts/profile_decode_pass.py --rows 1,32 --pdl on --rotary-attention --head-strip --top 8 \
+timeout 170 python scripts/profile_decode_pass.py --rows 1,32 --pdl on --rotary-attention --head-strip --top 8 \
   --dtypes bfloat16,float32 --json "$out/pass.json" > "$out/pass.log" 2>&1
 step pass $?
 grep -E "^fused|vs|refill's CODA" "$out/pass.log"
@@ -44,20 +46,24 @@ grep -E "^fused|vs|refill's CODA" "$out/pass.log"
 # Two one-line variants of triton_backend, each in a copy of the tree, at one row: 16 attention splits
 # instead of 8 (_MIN_SPLIT_TOKENS 64: one 64-token tile a program, all of it asked of the L2 before
 # the wait), and the rotary attention's writer storing before its loop (ROTARY_STORE_FIRST).
-variant() {  # NAME SED-EXPRESSION
-  local tree=/tmp/rlt-$1
+variant() {  # NAME ROWS SED-EXPRESSION...
+  local tree=/tmp/rlt-$1 name=$1 rows=$2; shift 2
   rm -rf "$tree" && mkdir -p "$tree" && cp -r protocol rlt_engine rlt_worker scripts pyproject.toml "$tree"/
-  sed -i "$2" "$tree/rlt_worker/attention/triton_backend.py"
-  (cd "$tree" && PYTHONPATH="/tmp/site:$tree" timeout 90 python scripts/profile_decode_pass.py --rows 1 --pdl on \
-    --rotary-attention --dtypes bfloat16 --json "$out/pass-$1.json" > "$out/pass-$1.log" 2>&1)
-  step "$1" $?
-  grep -E "^fused" "$out/pass-$1.log"
+  for e in "$@"; do sed -i "$e" "$tree/rlt_worker/attention/triton_backend.py"; done
+  (cd "$tree" && PYTHONPATH="/tmp/site:$tree" timeout 80 python scripts/profile_decode_pass.py --rows "$rows" --pdl on \
+    --rotary-attention --dtypes bfloat16 --json "$out/pass-$name.json" > "$out/pass-$name.log" 2>&1)
+  step "$name" $?
+  grep -E "^fused" "$out/pass-$name.log"
 }
-variant splits16 's/^_MIN_SPLIT_TOKENS = 128$/_MIN_SPLIT_TOKENS = 64/'
-variant store-first 's/^ROTARY_STORE_FIRST = False$/ROTARY_STORE_FIRST = True/'
+variant splits16 1 's/^_MIN_SPLIT_TOKENS = 128$/_MIN_SPLIT_TOKENS = 64/'
+variant store-first 1 's/^ROTARY_STORE_FIRST = False$/ROTARY_STORE_FIRST = True/'
 # One 128-token tile a split instead of two of 64: at one row each program asks for its whole K and V
 # span (64 KB) at once (the 1-row attention reads ~1.1 TB/s: latency, not bandwidth).
-variant tile128 's/^        tile = 64 if use_dot else 16$/        tile = 128 if use_dot else 16/'
+variant tile128 1 's/^        tile = 64 if use_dot else 16$/        tile = 128 if use_dot else 16/'
+# Ouro-1.4B is MHA: tl.dot pads each program's one q row to 16 and takes K and V through shared
+# memory; tl.sum keeps them in registers (bit-different sums, the same as the fp64 path's layout).
+variant nodot 1,32 's/^    use_dot = not f64 and head_dim >= 16$/    use_dot = not f64 and head_dim >= 16 and group > 1/' \
+  's/^        tile = 64 if use_dot else 16$/        tile = 64 if use_dot or not f64 else 16/'
 
 exit 0
 fi
