@@ -23,7 +23,6 @@ one row, and greedy tokens equal the plain engine's.
 
 from __future__ import annotations
 
-import inspect
 import re
 from collections.abc import Callable
 
@@ -35,6 +34,7 @@ from rlt_worker.attention import get_backend
 from rlt_worker.attention import triton_backend as tb
 from rlt_worker.kernels import fused_ops
 from rlt_worker.kernels.launch import PLAIN, KernelLaunch
+from rlt_worker.kernels.offline_compile import compile_for
 
 pytestmark = pytest.mark.skipif(tb.triton is None, reason="Triton is not installed")
 
@@ -108,7 +108,7 @@ KERNELS: dict[str, tuple[Callable[..., object], dict, dict, dict]] = {
                    Q_HEADS=16, STORE_FIRST=first),
               {"bt_ptr": "*i32", "ctx_ptr": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
                "qk_scale": "fp32", "scale_ptr": "*fp64", "pos_ptr": "*i64"},
-              dict(num_warps=4, num_stages=3, enable_fp_fusion=False))
+              dict(num_warps=tb.ATTENTION_WARPS, num_stages=3, enable_fp_fusion=False))
        for name, rotary, first in (("attention", False, False), ("attention_rotary", True, False),
                                    ("attention_rotary_store_first", True, True))},
     "merge": (tb._merge_kernel, dict(HEAD_DIM=128, D_PAD=128, NUM_SPLITS=8, S_PAD=8, ACC_F64=False),
@@ -149,9 +149,6 @@ SPLITK_DIVISIBLE = ("N", "K", "stride_xm", "stride_wn", "stride_ym", "k_per_spli
 
 def _ptx_memory_ops(name: str, pdl: bool) -> tuple[list[str], bool]:
     """The kernel's griddepcontrol and global memory instructions in PTX order, and its launch_pdl."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from rlt_worker.kernels import splitk_gemv, strip_gemv
 
     if name in SPLITK_KERNELS:
@@ -163,14 +160,7 @@ def _ptx_memory_ops(name: str, pdl: bool) -> tuple[list[str], bool]:
     else:
         (fn, constexprs, types, options), divisible = KERNELS[name], ()
     options = KernelLaunch(pdl=pdl).kwargs(1, **options)  # what a wrapper passes: the PDL constexpr is one of them
-    constexprs = {**constexprs, "PDL": options.pop("PDL")}
-    args = list(inspect.signature(fn).parameters)
-    signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "*bf16" if arg.endswith("_ptr") else "i32")
-                 for arg in args}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(args)
-             if arg in divisible or (divisible and arg.endswith("_ptr"))}
-    source = ASTSource(fn=tb.triton.jit(fn), signature=signature, constexprs=constexprs, attrs=attrs)
-    kernel = tb.triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    kernel = compile_for(fn, {**constexprs, "PDL": options.pop("PDL")}, types, options, divisible)
     ops = [m.group(1) for line in kernel.asm["ptx"].splitlines() if (m := _MEMORY_OP.search(line))]
     return ops, kernel.metadata.launch_pdl
 

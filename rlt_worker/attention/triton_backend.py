@@ -64,6 +64,12 @@ _MIN_SPLIT_TOKENS = 128
 # STORE_FIRST): from registers (False) or stored first behind a barrier (True). Neither is timed yet
 # (scripts/gpu_time_off_paths.sh profiles both); the same bits either way.
 ROTARY_STORE_FIRST = False
+# Warps per attention program. At Ouro-1.4B's heads (Dh 128, MHA, 64-token tiles, bf16, sm_90), Triton
+# 3.6 gives 4 warps 255 registers a thread and a stack (spills) of 40 B, 408 B with ROTARY and its
+# register hand-off, 16 B with STORE_FIRST; 8 warps 160-255 registers and no stack. 8 warps also
+# halve the programs an SM holds at once, which may cost the many-row passes: not timed yet
+# (scripts/gpu_time_off_paths.sh 1, variant warps8).
+ATTENTION_WARPS = 4
 
 
 def _attn_kernel(
@@ -514,7 +520,7 @@ def _attend(
         ROTARY=rope is not None, Q_HEADS=num_heads, STORE_FIRST=ROTARY_STORE_FIRST,
         **_prefetch_lines(head_dim, k_cache.element_size()),
         # No FMA contraction: the rotation rounds each op as fused_ops' RoPE kernel does.
-        **launch.kwargs(num_rows, num_warps=4, num_stages=3, enable_fp_fusion=False),
+        **launch.kwargs(num_rows, num_warps=ATTENTION_WARPS, num_stages=3, enable_fp_fusion=False),
     )
     if splits > 1:
         _kernel(_merge_kernel)[(num_rows, num_heads)](
