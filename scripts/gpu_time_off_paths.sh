@@ -14,10 +14,12 @@
 #    float32 and bf16 parity against the default. $OUT/pass.json, $OUT/pass.log.
 #    And at one row, each in a copy of the tree: 16 attention splits instead of 8
 #    (triton_backend._MIN_SPLIT_TOKENS 64), $OUT/pass-splits16.json; the rotary attention's writer
-#    storing before its loop (triton_backend.ROTARY_STORE_FIRST), $OUT/pass-store-first.json; one
-#    128-token attention tile a split instead of two of 64, $OUT/pass-tile128.json; and, at rows 1
-#    and 32, Ouro's MHA attention (one q head a kv head) without tl.dot (scores and the weighted sum
-#    by tl.sum on CUDA cores, 64-token tiles, no padding of the one q row to 16), $OUT/pass-nodot.json.
+#    storing before its loop (triton_backend.ROTARY_STORE_FIRST), $OUT/pass-store-first.json;
+#    8 warps an attention program instead of 4 (no register spills), rows 1 and 32, $OUT/pass-warps8.json;
+#    and, at rows 1 and 32, Ouro's MHA attention (one q head a kv head) without tl.dot (scores and the
+#    weighted sum by tl.sum on CUDA cores, 64-token tiles, no padding of the one q row to 16) at 8
+#    warps, $OUT/pass-nodot8.json. (A 128-token tile, tried in the plan before, is left out: it spills
+#    up to 4,000 B a thread in the rotary attention on Triton 3.6: scripts/kernel_resources.py --tiles 128.)
 # 2. The GPU tests of those kernels. $OUT/tests.log.
 # 3. c = 1 throughput (trace, ouro, ouro_replay; median of 3, the float32 gate), the default tree and
 #    a copy of it with --fused-rotary-attention and ouro_fused.HEAD_STRIP_SETTINGS set to the
@@ -55,15 +57,18 @@ variant() {  # NAME ROWS SED-EXPRESSION...
   step "$name" $?
   grep -E "^fused" "$out/pass-$name.log"
 }
-variant splits16 1 's/^_MIN_SPLIT_TOKENS = 128$/_MIN_SPLIT_TOKENS = 64/'
+# 8 warps an attention program instead of 4: at 4 its threads spill (255 registers and a 40-B stack,
+# 408 B with the rotary register hand-off, Triton 3.6 for sm_90: scripts/kernel_resources.py); at 8
+# none, but an SM then holds fewer programs, which the 32-row pass may feel.
+variant warps8 1,32 's/^ATTENTION_WARPS = 4$/ATTENTION_WARPS = 8/'
 variant store-first 1 's/^ROTARY_STORE_FIRST = False$/ROTARY_STORE_FIRST = True/'
-# One 128-token tile a split instead of two of 64: at one row each program asks for its whole K and V
-# span (64 KB) at once (the 1-row attention reads ~1.1 TB/s: latency, not bandwidth).
-variant tile128 1 's/^        tile = 64 if use_dot else 16$/        tile = 128 if use_dot else 16/'
+variant splits16 1 's/^_MIN_SPLIT_TOKENS = 128$/_MIN_SPLIT_TOKENS = 64/'
 # Ouro-1.4B is MHA: tl.dot pads each program's one q row to 16 and takes K and V through shared
-# memory; tl.sum keeps them in registers (bit-different sums, the same as the fp64 path's layout).
-variant nodot 1,32 's/^    use_dot = not f64 and head_dim >= 16$/    use_dot = not f64 and head_dim >= 16 and group > 1/' \
-  's/^        tile = 64 if use_dot else 16$/        tile = 64 if use_dot or not f64 else 16/'
+# memory; tl.sum keeps them in registers (bit-different sums, the same as the fp64 path's layout). At 8
+# warps: at 4 it spills 328 B (Triton 3.6).
+variant nodot8 1,32 's/^    use_dot = not f64 and head_dim >= 16$/    use_dot = not f64 and head_dim >= 16 and group > 1/' \
+  's/^        tile = 64 if use_dot else 16$/        tile = 64 if use_dot or not f64 else 16/' \
+  's/^ATTENTION_WARPS = 4$/ATTENTION_WARPS = 8/'
 
 exit 0
 fi
