@@ -33,13 +33,17 @@ def test_stack_shows_spills_and_more_warps_take_them_away(compiled: None, tmp_pa
     pinned range (328 B on 3.6, 256 on 3.9); with tl.dot at 8 warps it fits its registers. (How many
     bytes the default, tl.dot at 4 warps, spills is a version's detail: docs/benchmarks.md.)"""
     out = tmp_path / "resources.json"
-    subprocess.run([sys.executable, "scripts/kernel_resources.py", "--modes", "plain", "--warps", "4,8",
+    subprocess.run([sys.executable, "scripts/kernel_resources.py", "--modes", "plain", "--warps", "4,8", "--prefill",
                     "--json", str(out)], cwd=ROOT, check=True, capture_output=True, timeout=240)
-    rows = {(r["dot"], r["warps"]): r for r in json.loads(out.read_text())["rows"]}
+    report = json.loads(out.read_text())
+    rows = {(r["dot"], r["warps"]): r for r in report["rows"]}
     assert set(rows) == {(True, 4), (True, 8), (False, 4), (False, 8)}
     assert rows[False, 4]["stack_bytes"] >= 128 and rows[False, 4]["registers"] == 255, rows[False, 4]
     assert rows[True, 8]["stack_bytes"] == 0 and rows[True, 8]["registers"] < 255, rows[True, 8]
     assert rows[True, 8]["shared_bytes"] == rows[True, 4]["shared_bytes"] > 0  # tl.dot's K/V tiles: not per warp
+    prefill = {(r["block_m"], r["block_n"]): r for r in report["prefill_rows"]}
+    assert set(prefill) == {(64, 32), (64, 64), (128, 32)}
+    assert prefill[64, 64]["shared_bytes"] > prefill[64, 32]["shared_bytes"] > 0  # K/V stages grow with block_n
 
 
 def test_an_unknown_mode_is_refused_with_the_choices() -> None:
