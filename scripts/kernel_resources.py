@@ -26,13 +26,13 @@ import triton
 from rlt_worker.attention import triton_backend as tb
 from rlt_worker.attention import triton_prefill as tp
 from rlt_worker.kernels.launch import KernelLaunch
-from rlt_worker.kernels.offline_compile import compile_for, resource_usage
+from rlt_worker.kernels.offline_compile import (
+    OURO_ATTENTION_TYPES,
+    compile_for,
+    ouro_attention_constexprs,
+    resource_usage,
+)
 
-# Ouro-1.4B's attention at one row: what _attend passes for bf16 (the tile and dot choice vary below).
-OURO_HEADS = dict(GROUP=1, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, NUM_SPLITS=8, DOT_PRECISION=None, ACC_F64=False,
-                  Q_HEADS=16, LINES=2, LINE_ELEMS=64)
-TYPES = {"bt_ptr": "*i32", "ctx_ptr": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
-         "qk_scale": "fp32", "scale_ptr": "*fp64", "pos_ptr": "*i64"}
 MODES = {"plain": (False, False), "rotary": (True, False), "rotary-store-first": (True, True)}
 PREFILL_TYPES = {"bt_ptr": "*i32", "cu_ptr": "*i32", "start_ptr": "*i32", "qk_scale": "fp32"}
 PREFILL_LAUNCHES = ((64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2))  # block_m, block_n, warps, stages
@@ -40,10 +40,9 @@ PREFILL_LAUNCHES = ((64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2))  # block_m,
 
 def variant_usage(mode: str, use_dot: bool, warps: int, tile: int) -> dict[str, object]:
     rotary, store_first = MODES[mode]
-    constexprs = dict(OURO_HEADS, GROUP_PAD=16 if use_dot else 1, TILE=tile, USE_DOT=use_dot, ROTARY=rotary,
-                      STORE_FIRST=store_first)
+    constexprs = ouro_attention_constexprs(rotary=rotary, store_first=store_first, use_dot=use_dot, tile=tile)
     options = KernelLaunch(pdl=True).kwargs(1, num_warps=warps, num_stages=3, enable_fp_fusion=False)
-    kernel = compile_for(tb._attn_kernel, {**constexprs, "PDL": options.pop("PDL")}, TYPES, options)
+    kernel = compile_for(tb._attn_kernel, {**constexprs, "PDL": options.pop("PDL")}, OURO_ATTENTION_TYPES, options)
     usage = resource_usage(kernel)
     return {"mode": mode, "dot": use_dot, "warps": warps, "tile": tile, "registers": usage.registers,
             "stack_bytes": usage.stack_bytes, "shared_bytes": usage.shared_bytes}

@@ -34,7 +34,7 @@ from rlt_worker.attention import get_backend
 from rlt_worker.attention import triton_backend as tb
 from rlt_worker.kernels import fused_ops
 from rlt_worker.kernels.launch import PLAIN, KernelLaunch
-from rlt_worker.kernels.offline_compile import compile_for
+from rlt_worker.kernels.offline_compile import OURO_ATTENTION_TYPES, compile_for, ouro_attention_constexprs
 
 pytestmark = pytest.mark.skipif(tb.triton is None, reason="Triton is not installed")
 
@@ -102,12 +102,7 @@ KERNELS: dict[str, tuple[Callable[..., object], dict, dict, dict]] = {
              {"pos_ptr": "*i64", "slot_ptr": "*i64"}, dict(num_warps=4, enable_fp_fusion=False)),
     "swiglu": (fused_ops._swiglu_kernel, dict(BLOCK=1024, F64=False, LIBDEVICE=True), {},
                dict(num_warps=4, enable_fp_fusion=False)),
-    **{name: (tb._attn_kernel,
-              dict(GROUP=1, GROUP_PAD=16, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, TILE=64, NUM_SPLITS=8,
-                   USE_DOT=True, DOT_PRECISION=None, ACC_F64=False, LINES=2, LINE_ELEMS=64, ROTARY=rotary,
-                   Q_HEADS=16, STORE_FIRST=first),
-              {"bt_ptr": "*i32", "ctx_ptr": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
-               "qk_scale": "fp32", "scale_ptr": "*fp64", "pos_ptr": "*i64"},
+    **{name: (tb._attn_kernel, ouro_attention_constexprs(rotary=rotary, store_first=first), OURO_ATTENTION_TYPES,
               dict(num_warps=tb.ATTENTION_WARPS, num_stages=3, enable_fp_fusion=False))
        for name, rotary, first in (("attention", False, False), ("attention_rotary", True, False),
                                    ("attention_rotary_store_first", True, True))},

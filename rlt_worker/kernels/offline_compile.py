@@ -19,9 +19,22 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ResourceUsage", "compile_for", "resource_usage"]
+__all__ = ["OURO_ATTENTION_TYPES", "ResourceUsage", "compile_for", "ouro_attention_constexprs", "resource_usage"]
 
 HOPPER = 90
+
+# The decode attention (triton_backend._attn_kernel) as a 1-row pass of Ouro-1.4B launches it in bf16
+# (16 q heads, 16 kv heads, Dh 128, 16-token blocks, 8 splits): the argument types that are not the
+# defaults, and the constexprs of a variant (the default launch: tl.dot, 64-token tiles, no rotary).
+OURO_ATTENTION_TYPES = {"bt_ptr": "*i32", "ctx_ptr": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
+                        "qk_scale": "fp32", "scale_ptr": "*fp64", "pos_ptr": "*i64"}
+
+
+def ouro_attention_constexprs(*, rotary: bool = False, store_first: bool = False, use_dot: bool = True,
+                              tile: int = 64) -> dict[str, object]:
+    return dict(GROUP=1, GROUP_PAD=16 if use_dot else 1, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, TILE=tile,
+                NUM_SPLITS=8, USE_DOT=use_dot, DOT_PRECISION=None, ACC_F64=False, LINES=2, LINE_ELEMS=64,
+                ROTARY=rotary, Q_HEADS=16, STORE_FIRST=store_first)
 
 
 @dataclass(frozen=True)
@@ -59,7 +72,7 @@ def compile_for(
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=dict(options))
 
 
-_USAGE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)")
+_USAGE = re.compile(r"REG:(\d+) STACK:(\d+)")
 
 
 def resource_usage(kernel: Any) -> ResourceUsage:
