@@ -9,8 +9,9 @@ blocks shuffled through the pool) are read back to back inside one CUDA graph, a
 so each layer's K/V comes from HBM, not L2: the median of `--replays` replays divided by the
 layers is the time per layer, printed with the bandwidth it implies (K/V bytes of the rows'
 contexts / time). Variants: the heuristics' choice (`auto`: triton_backend._auto_splits and the
-default tile) and every (num_splits, tile) of --splits × --tiles. Each variant's output is checked
-against `auto`'s (bf16 tolerance) before it is timed.
+default tile) and every (num_splits, tile) of --splits × --tiles, each at every warp count of --warps
+(triton_backend.ATTENTION_WARPS, set for the variant; `auto` at the module's own). Each variant's
+output is checked against `auto`'s (bf16 tolerance) before it is timed.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replays", type=int, default=50)
     p.add_argument("--splits", default="2,4,8,16,32")
     p.add_argument("--tiles", default="16,32,64,128")
+    p.add_argument("--warps", default=str(tb.ATTENTION_WARPS), help="warps per attention program, e.g. 4,8")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -62,26 +64,33 @@ def bench_rows(args: argparse.Namespace, rows: int) -> list[dict]:
     def attend(layer: int, **overrides) -> torch.Tensor:
         return tb.paged_attention(q, pool[layer, 0], pool[layer, 1], tables, lens, scale, **overrides)
 
+    default_warps = tb.ATTENTION_WARPS
     want = attend(0)
     auto_splits = tb._auto_splits(rows, HEADS, blocks * BLOCK_SIZE, device)
-    variants = [("auto", {})] + [(f"splits {s} tile {t}", dict(num_splits=s, tile=t))
-                                 for s, t in itertools.product(ints(args.splits), ints(args.tiles))]
+    variants = [("auto", default_warps, {})] + [
+        (f"w{w} splits {s} tile {t}", w, dict(num_splits=s, tile=t))
+        for w, s, t in itertools.product(ints(args.warps), ints(args.splits), ints(args.tiles))]
     results = []
-    for name, overrides in variants:
-        got = attend(0, **overrides)
-        torch.testing.assert_close(got, want, rtol=2.0**-7, atol=2e-3)
-        def run(o: dict = overrides) -> None:
-            for layer in range(args.layers):
-                attend(layer, **o)
+    try:
+        for name, warps, overrides in variants:
+            tb.ATTENTION_WARPS = warps  # read at each launch: the variant's kernels compile and run at it
+            got = attend(0, **overrides)
+            torch.testing.assert_close(got, want, rtol=2.0**-7, atol=2e-3)
+            def run(o: dict = overrides) -> None:
+                for layer in range(args.layers):
+                    attend(layer, **o)
 
-        us = time_in_graph(run, args.layers, args.replays)
-        results.append({"rows": rows, "variant": name, **overrides, "us": us, "gb_per_s": kv_bytes / (us * 1e3)})
+            us = time_in_graph(run, args.layers, args.replays)
+            results.append({"rows": rows, "variant": name, "warps": warps, **overrides, "us": us,
+                            "gb_per_s": kv_bytes / (us * 1e3)})
+    finally:
+        tb.ATTENTION_WARPS = default_warps
     best = min(results, key=lambda r: r["us"])
     auto = results[0]
     print(f"rows {rows}, context {args.context}: auto (splits {auto_splits}) {auto['us']:.2f} µs "
           f"({auto['gb_per_s']:.0f} GB/s); best {best['variant']} {best['us']:.2f} µs ({best['gb_per_s']:.0f} GB/s)")
     for r in sorted(results, key=lambda r: r["us"])[:6]:
-        print(f"    {r['variant']:>20}: {r['us']:7.2f} µs  {r['gb_per_s']:6.0f} GB/s")
+        print(f"    {r['variant']:>24}: {r['us']:7.2f} µs  {r['gb_per_s']:6.0f} GB/s")
     return results
 
 

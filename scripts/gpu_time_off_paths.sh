@@ -24,8 +24,11 @@
 #   holds fewer programs, which the 32-row pass may feel), rows 1 and 32; `nodot8`, Ouro's MHA attention
 #   (one q head a kv head) without tl.dot (scores and the weighted sum by tl.sum on CUDA cores, no
 #   padding of the one q row to 16) at 8 warps (at 4 it spills 328 B), rows 1 and 32; `store-first`,
-#   the rotary attention's writer storing before its loop (ROTARY_STORE_FIRST), one row; `splits16`,
-#   16 attention splits instead of 8 (_MIN_SPLIT_TOKENS 64), one row. pass-NAME.json and .log.
+#   the rotary attention's writer storing before its loop (ROTARY_STORE_FIRST), one row (16 splits
+#   instead of 8: the attention sweep below). pass-NAME.json and .log.
+# - attn: the decode attention alone (scripts/bench_decode_attention.py, 24 layers' caches in one graph,
+#   context 1,024): 4 and 8 warps × 4, 8, 16 splits × 32- and 64-token tiles at rows 1, 8 and 32.
+#   attn.json, attn.log.
 # - c1: c = 1 trace, ouro and ouro_replay (median of 3, the float32 gate), the default tree and a copy
 #   with --fused-rotary-attention and ouro_fused.HEAD_STRIP_SETTINGS set to the profile's candidate.
 #   c1-default.json, c1-off-paths.json and their logs.
@@ -69,6 +72,13 @@ variant() {  # NAME SECONDS ROWS SED-EXPRESSION...: the rotary pass profile in a
   step "$name" $?
   grep -E "^fused" "$out/pass-$name.log" | cut -c1-220
 }
+attention_sweep() {  # SECONDS
+  timeout "$1" python scripts/bench_decode_attention.py --rows 1,8,32 --warps 4,8 --splits 4,8,16 --tiles 32,64 \
+    --json "$out/attn.json" > "$out/attn.log" 2>&1
+  step attn $?
+  grep -A3 "^rows" "$out/attn.log" | cut -c1-160
+}
+
 WARPS8='s/^ATTENTION_WARPS = 4$/ATTENTION_WARPS = 8/'
 NODOT=('s/^    use_dot = not f64 and head_dim >= 16$/    use_dot = not f64 and head_dim >= 16 and group > 1/'
        's/^        tile = 64 if use_dot else 16$/        tile = 64 if use_dot or not f64 else 16/')
@@ -85,15 +95,16 @@ case $part in
 first)
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv,noheader
   gpu_tests 200
+  [ "$(left)" -gt 110 ] && attention_sweep 100
   [ "$(left)" -gt 160 ] && pass_profile 150
   [ "$(left)" -gt 190 ] && c32 early $(( $(left) - 90 )) "$root"
   [ "$(left)" -gt 50 ] && variant warps8 $(( $(left) - 5 )) 1,32 "$WARPS8"
   ;;
 1)
+  attention_sweep 100
   pass_profile 170
   variant warps8 80 1,32 "$WARPS8"
   variant store-first 80 1 's/^ROTARY_STORE_FIRST = False$/ROTARY_STORE_FIRST = True/'
-  variant splits16 80 1 's/^_MIN_SPLIT_TOKENS = 128$/_MIN_SPLIT_TOKENS = 64/'
   variant nodot8 80 1,32 "${NODOT[@]}" "$WARPS8"
   ;;
 2)
