@@ -10,8 +10,11 @@ so each layer's K/V comes from HBM, not L2: the median of `--replays` replays di
 layers is the time per layer, printed with the bandwidth it implies (K/V bytes of the rows'
 contexts / time). Variants: the heuristics' choice (`auto`: triton_backend._auto_splits and the
 default tile) and every (num_splits, tile) of --splits × --tiles, each at every warp count of --warps
-(triton_backend.ATTENTION_WARPS, set for the variant; `auto` at the module's own). Each variant's
-output is checked against `auto`'s (bf16 tolerance) before it is timed.
+(triton_backend.ATTENTION_WARPS, set for the variant; `auto` at the module's own) and every launch of
+--launch (`plain`, or `pdl`: programmatic dependent launch, as a decode pass of few rows launches it,
+so each layer's program asks the L2 for its first tile before waiting for the layer before; `auto`
+at the first listed). Each variant's output is checked against `auto`'s (bf16 tolerance) before it is
+timed.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_linear import time_in_graph  # noqa: E402  (scripts/, this script's folder)
 
 from rlt_worker.attention import triton_backend as tb  # noqa: E402
+from rlt_worker.kernels.launch import PLAIN, KernelLaunch  # noqa: E402
 
 HEADS, HEAD_DIM, BLOCK_SIZE = 16, 128, 16
 
@@ -41,12 +45,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--splits", default="2,4,8,16,32")
     p.add_argument("--tiles", default="16,32,64,128")
     p.add_argument("--warps", default=str(tb.ATTENTION_WARPS), help="warps per attention program, e.g. 4,8")
+    p.add_argument("--launch", default="plain", help="plain, pdl or both (plain,pdl)")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
 
 def ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",")]
+
+
+def launches(text: str) -> list[tuple[str, KernelLaunch]]:
+    known = {"plain": lambda: PLAIN, "pdl": lambda: KernelLaunch(pdl=True)}
+    names = text.split(",")
+    if unknown := [n for n in names if n not in known]:
+        raise SystemExit(f"--launch: unknown {unknown}; choose from {sorted(known)}")
+    return [(n, known[n]()) for n in names]
 
 
 def bench_rows(args: argparse.Namespace, rows: int) -> list[dict]:
@@ -65,11 +78,13 @@ def bench_rows(args: argparse.Namespace, rows: int) -> list[dict]:
         return tb.paged_attention(q, pool[layer, 0], pool[layer, 1], tables, lens, scale, **overrides)
 
     default_warps = tb.ATTENTION_WARPS
+    launch_list = launches(args.launch)
     want = attend(0)
     auto_splits = tb._auto_splits(rows, HEADS, blocks * BLOCK_SIZE, device)
-    variants = [("auto", default_warps, {})] + [
-        (f"w{w} splits {s} tile {t}", w, dict(num_splits=s, tile=t))
-        for w, s, t in itertools.product(ints(args.warps), ints(args.splits), ints(args.tiles))]
+    variants = [(f"auto {launch_list[0][0]}", default_warps, dict(launch=launch_list[0][1]))] + [
+        (f"{name} w{w} splits {s} tile {t}", w, dict(num_splits=s, tile=t, launch=launch))
+        for (name, launch), w, s, t in itertools.product(launch_list, ints(args.warps), ints(args.splits),
+                                                         ints(args.tiles))]
     results = []
     try:
         for name, warps, overrides in variants:
@@ -81,16 +96,17 @@ def bench_rows(args: argparse.Namespace, rows: int) -> list[dict]:
                     attend(layer, **o)
 
             us = time_in_graph(run, args.layers, args.replays)
-            results.append({"rows": rows, "variant": name, "warps": warps, **overrides, "us": us,
-                            "gb_per_s": kv_bytes / (us * 1e3)})
+            settings = {k: v for k, v in overrides.items() if k != "launch"}
+            results.append({"rows": rows, "variant": name, "warps": warps, "pdl": overrides["launch"].pdl,
+                            **settings, "us": us, "gb_per_s": kv_bytes / (us * 1e3)})
     finally:
         tb.ATTENTION_WARPS = default_warps
     best = min(results, key=lambda r: r["us"])
     auto = results[0]
-    print(f"rows {rows}, context {args.context}: auto (splits {auto_splits}) {auto['us']:.2f} µs "
+    print(f"rows {rows}, context {args.context}: {auto['variant']} (splits {auto_splits}) {auto['us']:.2f} µs "
           f"({auto['gb_per_s']:.0f} GB/s); best {best['variant']} {best['us']:.2f} µs ({best['gb_per_s']:.0f} GB/s)")
     for r in sorted(results, key=lambda r: r["us"])[:6]:
-        print(f"    {r['variant']:>24}: {r['us']:7.2f} µs  {r['gb_per_s']:6.0f} GB/s")
+        print(f"    {r['variant']:>28}: {r['us']:7.2f} µs  {r['gb_per_s']:6.0f} GB/s")
     return results
 
 

@@ -27,7 +27,8 @@
 #   the rotary attention's writer storing before its loop (ROTARY_STORE_FIRST), one row (16 splits
 #   instead of 8: the attention sweep below). pass-NAME.json and .log.
 # - attn: the decode attention alone (scripts/bench_decode_attention.py, 24 layers' caches in one graph,
-#   context 1,024): 4 and 8 warps × 4, 8, 16 splits × 32- and 64-token tiles at rows 1, 8 and 32.
+#   context 1,024): plain and PDL launches × 4 and 8 warps × 4, 8, 16 splits × 32- and 64-token tiles
+#   at rows 1, 8 and 32.
 #   attn.json, attn.log.
 # - c1: c = 1 trace, ouro and ouro_replay (median of 3, the float32 gate), the default tree and a copy
 #   with --fused-rotary-attention and ouro_fused.HEAD_STRIP_SETTINGS set to the profile's candidate.
@@ -73,7 +74,8 @@ variant() {  # NAME SECONDS ROWS SED-EXPRESSION...: the rotary pass profile in a
   grep -E "^fused" "$out/pass-$name.log" | cut -c1-220
 }
 attention_sweep() {  # SECONDS
-  timeout "$1" python scripts/bench_decode_attention.py --rows 1,8,32 --warps 4,8 --splits 4,8,16 --tiles 32,64 \
+  timeout "$1" python scripts/bench_decode_attention.py --rows 1,8,32 --launch plain,pdl --warps 4,8 --splits 4,8,16 \
+    --tiles 32,64 \
     --json "$out/attn.json" > "$out/attn.log" 2>&1
   step attn $?
   grep -A3 "^rows" "$out/attn.log" | cut -c1-160
@@ -95,13 +97,13 @@ case $part in
 first)
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv,noheader
   gpu_tests 200
-  [ "$(left)" -gt 110 ] && attention_sweep 100
+  [ "$(left)" -gt 130 ] && attention_sweep 120
   [ "$(left)" -gt 160 ] && pass_profile 150
   [ "$(left)" -gt 190 ] && c32 early $(( $(left) - 90 )) "$root"
   [ "$(left)" -gt 50 ] && variant warps8 $(( $(left) - 5 )) 1,32 "$WARPS8"
   ;;
 1)
-  attention_sweep 100
+  attention_sweep 120
   pass_profile 170
   variant warps8 80 1,32 "$WARPS8"
   variant store-first 80 1 's/^ROTARY_STORE_FIRST = False$/ROTARY_STORE_FIRST = True/'
