@@ -18,14 +18,12 @@
 #   on): the default path, `fused-rotary-attention` (a decode batch's RoPE, K/V write and attention in
 #   one launch) and `fused-head-strip` (the LM head through a strip, gated by the rows that exited);
 #   float32 and bf16 parity against the default. pass.json, pass.log.
-# - variants, each in a copy of the tree with triton_backend edited: `warps8`, 8 warps an attention
-#   program instead of 4 (at 4 its threads spill: 255 registers and a 40-B stack, 408 B with the rotary
-#   register hand-off, Triton 3.6 for sm_90, scripts/kernel_resources.py; at 8 none, but an SM then
-#   holds fewer programs, which the 32-row pass may feel), rows 1 and 32; `nodot8`, Ouro's MHA attention
+# - variants, each in a copy of the tree with triton_backend edited: `nodot8`, Ouro's MHA attention
 #   (one q head a kv head) without tl.dot (scores and the weighted sum by tl.sum on CUDA cores, no
 #   padding of the one q row to 16) at 8 warps (at 4 it spills 328 B), rows 1 and 32; `store-first`,
 #   the rotary attention's writer storing before its loop (ROTARY_STORE_FIRST), one row (16 splits
-#   instead of 8: the attention sweep below). pass-NAME.json and .log.
+#   instead of 8, and 8 warps instead of 4: the attention sweep below; 8 warps alone lost 20% at 32
+#   rows on an H100, docs/benchmarks.md). pass-NAME.json and .log.
 # - attn: the decode attention alone (scripts/bench_decode_attention.py, 24 layers' caches in one graph,
 #   context 1,024): plain and PDL launches × 4 and 8 warps × 4, 8, 16 splits × 32- and 64-token tiles
 #   at rows 1, 8 and 32.
@@ -99,13 +97,11 @@ first)
   gpu_tests 200
   [ "$(left)" -gt 130 ] && attention_sweep 120
   [ "$(left)" -gt 160 ] && pass_profile 150
-  [ "$(left)" -gt 190 ] && c32 early $(( $(left) - 90 )) "$root"
-  [ "$(left)" -gt 50 ] && variant warps8 $(( $(left) - 5 )) 1,32 "$WARPS8"
+  [ "$(left)" -gt 100 ] && c32 early $(( $(left) - 5 )) "$root"
   ;;
 1)
   attention_sweep 120
   pass_profile 170
-  variant warps8 80 1,32 "$WARPS8"
   variant store-first 80 1 's/^ROTARY_STORE_FIRST = False$/ROTARY_STORE_FIRST = True/'
   variant nodot8 80 1,32 "${NODOT[@]}" "$WARPS8"
   ;;

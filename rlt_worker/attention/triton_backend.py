@@ -66,9 +66,9 @@ _MIN_SPLIT_TOKENS = 128
 ROTARY_STORE_FIRST = False
 # Warps per attention program. At Ouro-1.4B's heads (Dh 128, MHA, 64-token tiles, bf16, sm_90), Triton
 # 3.6 gives 4 warps 255 registers a thread and a stack (spills) of 40 B, 408 B with ROTARY and its
-# register hand-off, 16 B with STORE_FIRST; 8 warps 160-255 registers and no stack. 8 warps also
-# halve the programs an SM holds at once, which may cost the many-row passes: not timed yet
-# (scripts/gpu_time_off_paths.sh 1, variant warps8).
+# register hand-off, 16 B with STORE_FIRST; 8 warps 160-255 registers and no stack. Yet 4 stays: on an
+# H100 (PDL launches, context 1,024) 8 warps took 9.18 µs a layer at 1 row against 9.26, and 111.6
+# against 93.3 at 32 rows, where an SM holds half the programs (docs/benchmarks.md).
 ATTENTION_WARPS = 4
 
 
