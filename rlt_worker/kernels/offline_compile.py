@@ -32,9 +32,11 @@ OURO_ATTENTION_TYPES = {"bt_ptr": "*i32", "ctx_ptr": "*i32", "m_ptr": "*fp32", "
 
 def ouro_attention_constexprs(*, rotary: bool = False, store_first: bool = False, use_dot: bool = True,
                               tile: int = 64) -> dict[str, object]:
+    from rlt_worker.attention import triton_backend as tb  # the prefetch lines as the launch derives them
+
     return dict(GROUP=1, GROUP_PAD=16 if use_dot else 1, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, TILE=tile,
-                NUM_SPLITS=8, USE_DOT=use_dot, DOT_PRECISION=None, ACC_F64=False, LINES=2, LINE_ELEMS=64,
-                ROTARY=rotary, Q_HEADS=16, STORE_FIRST=store_first)
+                NUM_SPLITS=8, USE_DOT=use_dot, DOT_PRECISION=None, ACC_F64=False, ROTARY=rotary, Q_HEADS=16,
+                STORE_FIRST=store_first, **tb._prefetch_lines(head_dim=128, element_size=2))
 
 
 @dataclass(frozen=True)
