@@ -73,15 +73,14 @@ variant() {  # NAME SECONDS ROWS SED-EXPRESSION...: the rotary pass profile in a
 }
 attention_sweep() {  # SECONDS
   timeout "$1" python scripts/bench_decode_attention.py --rows 1,8,32 --launch plain,pdl --warps 4,8 --splits 4,8,16 \
-    --tiles 32,64 \
-    --json "$out/attn.json" > "$out/attn.log" 2>&1
+    --tiles 32,64 --json "$out/attn.json" > "$out/attn.log" 2>&1
   step attn $?
   grep -A3 "^rows" "$out/attn.log" | cut -c1-160
 }
 
-WARPS8='s/^ATTENTION_WARPS = 4$/ATTENTION_WARPS = 8/'
-NODOT=('s/^    use_dot = not f64 and head_dim >= 16$/    use_dot = not f64 and head_dim >= 16 and group > 1/'
-       's/^        tile = 64 if use_dot else 16$/        tile = 64 if use_dot or not f64 else 16/')
+NODOT8=('s/^    use_dot = not f64 and head_dim >= 16$/    use_dot = not f64 and head_dim >= 16 and group > 1/'
+        's/^        tile = 64 if use_dot else 16$/        tile = 64 if use_dot or not f64 else 16/'
+        's/^ATTENTION_WARPS = 4$/ATTENTION_WARPS = 8/')
 
 c32() {  # NAME SECONDS TREE [COMMIT]: c = 32 fixed, trace and ouro, 2 runs, ungated, in TREE
   (cd "$3" && PYTHONPATH="/tmp/site:$3" RLT_COMMIT=${4:-${RLT_COMMIT:-}} timeout "$2" python -m rlt_engine.cli bench \
@@ -94,7 +93,7 @@ c32() {  # NAME SECONDS TREE [COMMIT]: c = 32 fixed, trace and ouro, 2 runs, ung
 case $part in
 first)
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total --format=csv,noheader
-  gpu_tests 200
+  gpu_tests $(( $(left) > 205 ? 200 : $(left) - 5 ))  # a small budget cuts the tests, not the call
   [ "$(left)" -gt 130 ] && attention_sweep 120
   [ "$(left)" -gt 160 ] && pass_profile 150
   [ "$(left)" -gt 100 ] && c32 early $(( $(left) - 5 )) "$root"
@@ -103,7 +102,7 @@ first)
   attention_sweep 120
   pass_profile 170
   variant store-first 80 1 's/^ROTARY_STORE_FIRST = False$/ROTARY_STORE_FIRST = True/'
-  variant nodot8 80 1,32 "${NODOT[@]}" "$WARPS8"
+  variant nodot8 80 1,32 "${NODOT8[@]}"
   ;;
 2)
   offp=/tmp/rlt-off-paths
