@@ -61,7 +61,7 @@ from rlt_worker.models.base import LoopedModel
 from rlt_worker.paged_context import PagedContext, PagedPlaneView, PrefillChunks
 from rlt_worker.philox import truncated_normal
 from rlt_worker.prefill_rows import DeviceChunks, HostChunks, PrefillRows
-from rlt_worker.sampler import GreedyRule, SamplingTensors, sample, torch_greedy
+from rlt_worker.sampler import TORCH_KERNELS, SamplingKernels, SamplingTensors, sample
 from rlt_worker.step_results import HostCopies, PendingResult, ResultBuilder
 from rlt_worker.swap import SwapStore
 
@@ -106,14 +106,16 @@ class PassColumns:
     staged: StagedPass | None
 
 
-def greedy_rule(device: torch.device, attention_backend: str) -> GreedyRule:
-    """How all-greedy batches sample: Triton's two launches on CUDA with the Triton backend
-    (rlt_worker/kernels/greedy.py); elsewhere, and on the torch path (the gate's reference), torch's."""
+def sampling_kernels(device: torch.device, attention_backend: str) -> SamplingKernels:
+    """How the sampler computes greedy batches and Philox noise: Triton's kernels on CUDA with the Triton
+    backend (rlt_worker/kernels/greedy.py, philox_uniform.py); elsewhere, and on the torch path (the
+    gate's reference), torch's."""
     if device.type == "cuda" and attention_backend == "triton":
         from rlt_worker.kernels.greedy import triton_greedy  # imports Triton: only when used
+        from rlt_worker.kernels.philox_uniform import triton_uniform
 
-        return triton_greedy
-    return torch_greedy
+        return SamplingKernels(greedy=triton_greedy, noise=triton_uniform)
+    return TORCH_KERNELS
 
 
 class ModelRunner:
@@ -126,7 +128,7 @@ class ModelRunner:
         self.config = config
         self.device = storage.pool.device
         self._backend = get_backend(config.attention_backend, config.kernel_launch)
-        self._greedy = greedy_rule(self.device, config.attention_backend)
+        self._sampling_kernels = sampling_kernels(self.device, config.attention_backend)
         dtype = storage.pool.dtype
         slots, hidden = config.max_slots, info.hidden_size
         max_blocks = math.ceil(info.max_model_len / storage.block_size)
@@ -670,7 +672,7 @@ class ModelRunner:
         positions = torch.zeros_like(slots)  # unread: this coda has no attention
         hidden = self.model.coda(self.state[slots], positions, self.context(slots, positions, None, 1))
         logits = self.model.lm_head(hidden) if needed is None else self.model.lm_head_needed(hidden, needed)
-        return sample(logits, params, all_greedy=greedy, greedy=self._greedy)
+        return sample(logits, params, all_greedy=greedy, kernels=self._sampling_kernels)
 
     def is_stop_token(self, slots: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """bool [n]: whether each token is one of its slot's stop tokens (the dummy slot has none)."""
@@ -715,6 +717,6 @@ class ModelRunner:
         params = SamplingTensors(temperature=self.temperature[slots], top_k=self.top_k[slots],
                                  top_p=self.top_p[slots], seeds=seed_tensor, indices=sample_indices)
         tokens, logprobs = sample(self.model.lm_head(hidden), params, all_greedy=all_greedy,
-                                  forced=forced[0] if forced else None, greedy=self._greedy)
+                                  forced=forced[0] if forced else None, kernels=self._sampling_kernels)
         self.tokens[slots] = tokens
         return tokens, logprobs

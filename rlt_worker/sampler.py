@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -87,20 +88,34 @@ def _logprob_at(x: Tensor, tokens: Tensor) -> Tensor:
     return torch.log_softmax(x, dim=-1).gather(1, tokens[:, None]).squeeze(1)
 
 
+# (seeds int64 [N], purpose, Philox indices int64 [N], E) -> float64 [N, E] uniforms: philox.uniform's bits.
+NoiseRule = Callable[[Tensor, int, Tensor, int], Tensor]
+
+
+class SamplingKernels(NamedTuple):
+    """How `sample` computes its two heavy parts; every choice gives the torch rules' tokens."""
+
+    greedy: GreedyRule = torch_greedy  # an all-greedy batch's tokens and logprobs
+    noise: NoiseRule = uniform  # the Gumbel noise's uniforms
+
+
+TORCH_KERNELS = SamplingKernels()
+
+
 def sample(
     logits: Tensor, params: SamplingTensors, all_greedy: bool | None = None, forced: Tensor | None = None,
-    greedy: GreedyRule = torch_greedy,
+    kernels: SamplingKernels = TORCH_KERNELS,
 ) -> tuple[Tensor, Tensor]:
     """Sample one token per row of logits [N, V]; returns (tokens int64 [N], logprobs float64 [N]).
 
     `all_greedy`: whether every row's temperature is <= 0, when the caller knows it on the host
     (the runner does); None reads it from `params.temperature`, a device→host sync on CUDA.
     `forced` (int64 [N], −1 = sample): rows whose token is given (teacher forcing); the logprob
-    is that token's. `greedy`: how an all-greedy batch without forced tokens is computed (the
-    runner's choice: torch_greedy, or on CUDA rlt_worker.kernels.greedy.triton_greedy).
+    is that token's. `kernels`: how an all-greedy batch without forced tokens and the noise are
+    computed (the runner's choice: the torch rules, or on CUDA the Triton ones).
     """
     if all_greedy and forced is None:
-        return greedy(logits)
+        return kernels.greedy(logits)
     x = logits.double()
     dev = x.device
     temperature = params.temperature.to(dev, torch.float64)
@@ -112,7 +127,7 @@ def sample(
         scaled = x / torch.where(greedy_rows, 1.0, temperature)[:, None]
         allowed = _allowed_mask(scaled, params.top_k.to(dev), params.top_p.to(dev, torch.float64))
         # Gumbel-max: argmax(scaled + g), g = -log(-log u), samples softmax(scaled) over allowed.
-        u = uniform(params.seeds.to(dev), PURPOSE_SAMPLE, params.indices.to(dev), x.shape[1])
+        u = kernels.noise(params.seeds.to(dev), PURPOSE_SAMPLE, params.indices.to(dev), x.shape[1])
         noisy = (scaled - torch.log(-torch.log(u))).masked_fill(~allowed, float("-inf"))
         tokens = torch.where(greedy_rows, tokens, torch.argmax(noisy, dim=-1))
     if forced is not None:

@@ -13,7 +13,7 @@
 # Parts 1-4 each stay under a call's 600 s. What the steps write under $OUT:
 # - tests: the GPU tests of the paths never run on a GPU: the fused rotary attention, the default
 #   attention's no-FMA rounding, the gated strip, PDL, early results (the side-stream copy with an
-#   early result, the refill flags' kernel, device refill against the host loop). tests.log.
+#   early result, the refill flags' kernel, device refill against the host loop), the Philox noise kernel. tests.log.
 # - pass: one loop pass and device refill's CODA (scripts/profile_decode_pass.py, rows 1 and 32, PDL
 #   on): the default path, `fused-rotary-attention` (a decode batch's RoPE, K/V write and attention in
 #   one launch) and `fused-head-strip` (the LM head through a strip, gated by the rows that exited);
@@ -50,7 +50,7 @@ copy_tree() { rm -rf "$1" && mkdir -p "$1" && cp -r protocol rlt_engine rlt_work
 gpu_tests() {  # SECONDS
   timeout "$1" python -m pytest -m gpu -q -p no:cacheprovider tests/test_triton_attention.py tests/test_strip_gemv.py \
     tests/test_pdl.py tests/test_refill_columns.py tests/test_gpu_pipelined.py::test_side_stream_copy_reads_a_snapshot \
-    tests/test_gpu_exit_graphs.py > "$out/tests.log" 2>&1
+    tests/test_gpu_exit_graphs.py tests/test_philox_kernel.py tests/test_greedy_kernel.py > "$out/tests.log" 2>&1
   step tests $?
   grep -E "^FAILED|^ERROR| passed| failed" "$out/tests.log" | cut -c1-200 | tail -20
 }

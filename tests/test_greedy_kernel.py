@@ -68,11 +68,13 @@ def test_interpreter_matches_torch(interp_verdicts: dict[str, str], case: str) -
 
 
 def test_the_runner_picks_triton_on_cuda_with_the_triton_backend_only() -> None:
-    from rlt_worker.model_runner import greedy_rule
+    from rlt_worker.model_runner import sampling_kernels
+    from rlt_worker.sampler import TORCH_KERNELS
 
-    assert greedy_rule(torch.device("cpu"), "triton") is torch_greedy
-    assert greedy_rule(torch.device("cuda"), "torch") is torch_greedy
-    assert greedy_rule(torch.device("cuda"), "triton").__name__ == "triton_greedy"
+    assert sampling_kernels(torch.device("cpu"), "triton") is TORCH_KERNELS
+    assert sampling_kernels(torch.device("cuda"), "torch") is TORCH_KERNELS
+    kernels = sampling_kernels(torch.device("cuda"), "triton")
+    assert (kernels.greedy.__name__, kernels.noise.__name__) == ("triton_greedy", "triton_uniform")
 
 
 @pytest.mark.gpu
