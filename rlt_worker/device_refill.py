@@ -73,7 +73,7 @@ from protocol.messages import ExitTest, Stage
 from rlt_worker import mixed_graphs
 from rlt_worker.exit_graphs import EagerExitStep, GraphedExitStep
 from rlt_worker.exit_tests import EXIT_STATE, make_exit_test
-from rlt_worker.sampler import SamplingTensors
+from rlt_worker.sampler import SamplingKind, SamplingTensors
 from rlt_worker.step_results import ResultBuilder
 
 if TYPE_CHECKING:
@@ -187,7 +187,7 @@ class RefillGraphs:
             passes.mixed.stacked_pass((rows, width, *chunks))
         exits = test.apply(runner, index[0], index[1], index[2], passes.max_width, None) & (c[RUNNING] > 0)
         runner.finalize_on_device(c[SLOTS], c[POSITIONS], torch.where(exits, c[DEPTHS], runner.config.max_depth))
-        tokens, logprobs = runner.sample_on_device(index[0], b.params, True, needed=exits)
+        tokens, logprobs = runner.sample_on_device(index[0], b.params, SamplingKind.GREEDY, needed=exits)
         self.steps.after_sample(b, exits, tokens, logprobs, runner.is_stop_token(c[SLOTS], tokens), dummy)
         exit_slots, prelude_slots = b.boundary_slots
         runner.store_tokens(exit_slots, tokens)

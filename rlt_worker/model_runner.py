@@ -61,7 +61,7 @@ from rlt_worker.models.base import LoopedModel
 from rlt_worker.paged_context import PagedContext, PagedPlaneView, PrefillChunks
 from rlt_worker.philox import truncated_normal
 from rlt_worker.prefill_rows import DeviceChunks, HostChunks, PrefillRows
-from rlt_worker.sampler import TORCH_KERNELS, SamplingKernels, SamplingTensors, sample
+from rlt_worker.sampler import TORCH_KERNELS, SamplingKernels, SamplingKind, SamplingTensors, sample
 from rlt_worker.step_results import HostCopies, PendingResult, ResultBuilder
 from rlt_worker.swap import SwapStore
 
@@ -156,6 +156,7 @@ class ModelRunner:
         # (greedy rows: temperature <= 0) or to find a forced token. Set by admit and by a swap import.
         self.slot_options = [SamplingOptions()] * slots
         self.host_greedy = np.zeros(slots, dtype=bool)
+        self.host_filtered = np.zeros(slots, dtype=bool)  # top-k or top-p on: SamplingKind.FILTERED
         self._num_blocks = [0] * slots
         self.decode_cursors = DecodeCursors(slots, self.device)
         # Results leave the device on their own stream, so the next plan's work does not wait for them.
@@ -309,6 +310,7 @@ class ModelRunner:
         """A slot's sampling options (at admission, or restored by a swap import)."""
         self.slot_options[slot] = options
         self.host_greedy[slot] = options.temperature <= 0
+        self.host_filtered[slot] = options.top_k > 0 or options.top_p < 1.0
         # fill_ takes the value as a kernel argument; `[slot] = value` would copy it to the device from
         # pageable memory, which waits for the stream to drain (the plans in flight) at every admit.
         self.temperature[slot].fill_(options.temperature)
@@ -664,7 +666,7 @@ class ModelRunner:
         (slots, positions, depths), keep = self.read_back(columns, running)
         self.pass_listener(slots[keep], positions[keep], depths[keep] + 1)
 
-    def sample_on_device(self, slots: torch.Tensor, params: SamplingTensors, greedy: bool,
+    def sample_on_device(self, slots: torch.Tensor, params: SamplingTensors, kind: SamplingKind,
                          needed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """CODA of a coda without attention (Ouro) over these slots' states, then the sampler: what
         CodaGraphs captures, and DeviceRefill's CODA of every row of a pass (`needed`: the rows whose
@@ -672,7 +674,7 @@ class ModelRunner:
         positions = torch.zeros_like(slots)  # unread: this coda has no attention
         hidden = self.model.coda(self.state[slots], positions, self.context(slots, positions, None, 1))
         logits = self.model.lm_head(hidden) if needed is None else self.model.lm_head_needed(hidden, needed)
-        return sample(logits, params, all_greedy=greedy, kernels=self._sampling_kernels)
+        return sample(logits, params, kind, kernels=self._sampling_kernels)
 
     def is_stop_token(self, slots: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """bool [n]: whether each token is one of its slot's stop tokens (the dummy slot has none)."""
@@ -702,11 +704,10 @@ class ModelRunner:
         the uint64 seeds), or its slot's forced token; the token also goes to the slot for the next
         PRELUDE. Returns (tokens, logprobs) on the device."""
         host_forced = self.forced_tokens(row_slots, indices)
-        # The general path is exact for greedy rows too; the shortcut only skips the noise.
-        all_greedy = bool(self.host_greedy[row_slots].all())
+        kind = SamplingKind.of(self.host_greedy[row_slots], self.host_filtered[row_slots])
         coda_graphs = None if self._graphs is None else self._graphs.coda
         if coda_graphs is not None and host_forced is None:
-            done = coda_graphs.run(row_slots, seeds, indices, all_greedy)
+            done = coda_graphs.run(row_slots, seeds, indices, kind)
             if done is not None:
                 return done
         slots, positions, seed_tensor, sample_indices, *forced = self.upload(
@@ -716,7 +717,7 @@ class ModelRunner:
         hidden = self.model.coda(self.state[slots], positions, context)
         params = SamplingTensors(temperature=self.temperature[slots], top_k=self.top_k[slots],
                                  top_p=self.top_p[slots], seeds=seed_tensor, indices=sample_indices)
-        tokens, logprobs = sample(self.model.lm_head(hidden), params, all_greedy=all_greedy,
-                                  forced=forced[0] if forced else None, kernels=self._sampling_kernels)
+        tokens, logprobs = sample(self.model.lm_head(hidden), params, kind, forced=forced[0] if forced else None,
+                                  kernels=self._sampling_kernels)
         self.tokens[slots] = tokens
         return tokens, logprobs

@@ -17,6 +17,7 @@ Rules a caller must know:
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -102,33 +103,52 @@ class SamplingKernels(NamedTuple):
 TORCH_KERNELS = SamplingKernels()
 
 
+class SamplingKind(enum.Enum):
+    """Which of `sample`'s paths a batch takes; each gives every row what the general path gives it."""
+
+    GREEDY = "greedy"  # every row's temperature <= 0: the greedy rule, no noise
+    GUMBEL = "gumbel"  # no sampled row filters (top_k <= 0, top_p >= 1): the noise over the whole vocabulary
+    FILTERED = "filtered"  # the general path: top-k / top-p masks from one sort of each row
+
+    @classmethod
+    def of(cls, greedy: Sequence[bool], filtered: Sequence[bool]) -> SamplingKind:
+        """The kind of a batch whose rows are greedy (temperature <= 0) or filter (top-k or top-p on)."""
+        if all(greedy):
+            return cls.GREEDY
+        return cls.FILTERED if any(f and not g for g, f in zip(greedy, filtered, strict=True)) else cls.GUMBEL
+
+
 def sample(
-    logits: Tensor, params: SamplingTensors, all_greedy: bool | None = None, forced: Tensor | None = None,
+    logits: Tensor, params: SamplingTensors, kind: SamplingKind | None = None, forced: Tensor | None = None,
     kernels: SamplingKernels = TORCH_KERNELS,
 ) -> tuple[Tensor, Tensor]:
     """Sample one token per row of logits [N, V]; returns (tokens int64 [N], logprobs float64 [N]).
 
-    `all_greedy`: whether every row's temperature is <= 0, when the caller knows it on the host
-    (the runner does); None reads it from `params.temperature`, a device→host sync on CUDA.
+    `kind`: the batch's SamplingKind, when the caller knows it on the host (the runner does); None
+    reads it from `params`, a device→host sync on CUDA. A kind only skips work that would change no
+    row: GUMBEL's mask would allow every token, GREEDY's rows take the argmax.
     `forced` (int64 [N], −1 = sample): rows whose token is given (teacher forcing); the logprob
     is that token's. `kernels`: how an all-greedy batch without forced tokens and the noise are
     computed (the runner's choice: the torch rules, or on CUDA the Triton ones).
     """
-    if all_greedy and forced is None:
+    if kind is None:
+        kind = SamplingKind.of((params.temperature <= 0).tolist(),
+                               ((params.top_k > 0) | (params.top_p < 1.0)).tolist())
+    if kind is SamplingKind.GREEDY and forced is None:
         return kernels.greedy(logits)
     x = logits.double()
     dev = x.device
     temperature = params.temperature.to(dev, torch.float64)
     greedy_rows = temperature <= 0
     tokens = torch.argmax(x, dim=-1)
-    if all_greedy is None:
-        all_greedy = bool(greedy_rows.all())
-    if not all_greedy:
+    if kind is not SamplingKind.GREEDY:
         scaled = x / torch.where(greedy_rows, 1.0, temperature)[:, None]
-        allowed = _allowed_mask(scaled, params.top_k.to(dev), params.top_p.to(dev, torch.float64))
         # Gumbel-max: argmax(scaled + g), g = -log(-log u), samples softmax(scaled) over allowed.
         u = kernels.noise(params.seeds.to(dev), PURPOSE_SAMPLE, params.indices.to(dev), x.shape[1])
-        noisy = (scaled - torch.log(-torch.log(u))).masked_fill(~allowed, float("-inf"))
+        noisy = scaled - torch.log(-torch.log(u))
+        if kind is SamplingKind.FILTERED:
+            allowed = _allowed_mask(scaled, params.top_k.to(dev), params.top_p.to(dev, torch.float64))
+            noisy = noisy.masked_fill(~allowed, float("-inf"))
         tokens = torch.where(greedy_rows, tokens, torch.argmax(noisy, dim=-1))
     if forced is not None:
         forced = forced.to(dev)

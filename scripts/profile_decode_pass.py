@@ -13,7 +13,7 @@ Defaults: synthetic-ouro-1.4b, rows 1 and 32, every row at position context−1 
 - GPU time per pass: CUDA events around each of `--replays` graph replays, median (p10, p90);
 - host time per launch: `graph.replay()`'s wall time with the GPU idle before it, median (the
   bubble a pass costs after a readback, as in ouro's decode loop, before its kernels start);
-- CODA (LM head + sampling, greedy and Philox sampling) per row count: graph replay GPU time,
+- CODA (LM head + sampling, per SamplingKind: greedy, gumbel and filtered) per row count: graph replay GPU time,
   the same function's eager wall time, its kernels;
 - parity: one pass of both paths from the same state over the same KV pool, per dtype
   (bfloat16 is timed; float32 is compared only): max |Δ| / max |torch|, worst row cosine.
@@ -107,6 +107,7 @@ from rlt_worker.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from rlt_worker.models.layers import head_weight  # noqa: E402
 from rlt_worker.models.loader import load_model  # noqa: E402
 from rlt_worker.models.ouro_fused import FusedOuroModel  # noqa: E402
+from rlt_worker.sampler import SamplingKind  # noqa: E402
 from rlt_worker.worker import DTYPES  # noqa: E402
 
 
@@ -276,26 +277,26 @@ def pass_bytes(setup: Setup, rows: int, context: int) -> int:
 
 
 def profile_coda(setup: Setup, rows: int, replays: int, cuda: bool) -> list[dict]:
-    """CODA (LM head + sampling) of `rows` rows, greedy and sampling: graph replay GPU time and the
+    """CODA (LM head + sampling) of `rows` rows, each SamplingKind: graph replay GPU time and the
     same function's eager wall time."""
     coda = setup.runners[_fused_path(setup)]._graphs.coda
     out = []
-    for greedy in (True, False):
+    for kind in SamplingKind:
         slots = np.arange(rows)
-        assert coda.run(slots, slots, slots, greedy) is not None  # captures the bucket on first use
+        assert coda.run(slots, slots, slots, kind) is not None  # captures the bucket on first use
         bucket = next(b for b in coda.passes.row_buckets if b >= rows)
-        times = time_replays(coda._graphs[(bucket, greedy)], replays, cuda)
+        times = time_replays(coda._graphs[(bucket, kind)], replays, cuda)
         eager = []
         for _ in range(max(3, replays // 10)):
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            coda._coda(bucket, greedy)
+            coda._coda(bucket, kind)
             if cuda:
                 torch.cuda.synchronize()
             eager.append((time.perf_counter() - t0) * 1e3)
-        kernels, _ = count_kernels(lambda b=bucket, g=greedy: coda._coda(b, g), cuda)
-        out.append({"rows": rows, "kind": "greedy" if greedy else "sampling", "kernels": kernels,
+        kernels, _ = count_kernels(lambda b=bucket, k=kind: coda._coda(b, k), cuda)
+        out.append({"rows": rows, "kind": kind.value, "kernels": kernels,
                     "graph_gpu_ms_median": statistics.median(times), "eager_wall_ms_median": statistics.median(eager)})
     return out
 

@@ -53,7 +53,7 @@ def test_startup_capture_covers_the_exit_test(mode: str) -> None:
         assert runner.config.exit_tests == (ExitTest[mode.upper()],)
         runner.use_pass_graphs(emulate=True)
         runner.capture_pass_graphs()
-        captures = 4 * 4 + 4 * 2 + 4  # passes rows × widths, CODA rows × (greedy, sampling), exit test rows
+        captures = 4 * 4 + 4 * 3 + 4  # passes rows × widths, CODA rows × SamplingKind, exit test rows
         assert runner.graph_stats["startup_captures"] == captures
         run = run_workload(llm, _jobs(mode))
         assert_matches_reference(run, "toy-ouro", kv_layout="last_exited", exit_mode=mode)

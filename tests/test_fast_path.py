@@ -167,7 +167,7 @@ def test_every_engine_flag_has_help() -> None:
 
 def test_startup_capture_leaves_no_capture_to_serving() -> None:
     """capture_all() (the worker's start-up capture, emulated here) covers every rows × width bucket
-    and every CODA bucket (greedy and sampling) a workload can need: serving then replays only,
+    and every CODA bucket (each SamplingKind) a workload can need: serving then replays only,
     captures nothing, runs no pass or CODA eagerly; every sampling kind equals the reference."""
     jobs = make_workload(random.Random("fast-startup"), 7, depth=DEPTH["toy-ouro"], exit_mode="trace",
                          sampling=("greedy", "temperature", "top_k", "top_p"), max_prompt_len=12, max_tokens=6,
@@ -179,7 +179,7 @@ def test_startup_capture_leaves_no_capture_to_serving() -> None:
         graphs = runner._graphs
         assert graphs.row_buckets == (1, 2, 4, 8) and graphs.widths() == (4, 8, 16, 32)  # 512 positions / 16
         started = runner.graph_stats
-        captures = 4 * 4 + 4 * 2  # loop passes rows × widths, CODA rows × (greedy, sampling)
+        captures = 4 * 4 + 4 * 3  # loop passes rows × widths, CODA rows × SamplingKind (greedy, gumbel, filtered)
         assert started["startup_captures"] == started["captures"] == captures and started["lazy_captures"] == 0
         run = run_workload(llm, jobs)
         assert_matches_reference(run, "toy-ouro", kv_layout="last_exited", exit_mode="trace")

@@ -21,7 +21,7 @@ import torch
 
 from rlt_worker.attention import triton_backend as tb
 from rlt_worker.philox import PURPOSE_SAMPLE, PURPOSE_STATE_INIT, seed_to_int64, uniform
-from rlt_worker.sampler import SamplingKernels, SamplingTensors, sample
+from rlt_worker.sampler import SamplingKernels, SamplingKind, SamplingTensors, sample
 
 pytestmark = [pytest.mark.skipif(tb.triton is None, reason="Triton is not installed"), pytest.mark.timeout(300)]
 
@@ -50,8 +50,8 @@ def check_sample(device: str = "cpu") -> None:
     logits = (3 * torch.randn(6, 1000, generator=gen, dtype=torch.float64)).to(device)
     params = SamplingTensors.build([0.7, 1.0, 0.0, 1.3, 1.0, 0.5], [-1, 20, -1, 5, -1, 100],
                                    [1.0, 1.0, 1.0, 0.9, 0.8, 0.95], SEEDS, [0, 1, 2, 3, 4, 2**33], device=device)
-    want = sample(logits, params, all_greedy=False)
-    got = sample(logits, params, all_greedy=False, kernels=SamplingKernels(noise=triton_uniform))
+    want = sample(logits, params, SamplingKind.FILTERED)
+    got = sample(logits, params, SamplingKind.FILTERED, kernels=SamplingKernels(noise=triton_uniform))
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 

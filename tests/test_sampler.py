@@ -17,7 +17,7 @@ from rlt_worker.philox import (
     truncated_normal,
     uniform,
 )
-from rlt_worker.sampler import SamplingTensors, sample
+from rlt_worker.sampler import SamplingKind, SamplingTensors, sample
 
 KNOWN_ANSWERS = [
     ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
@@ -211,6 +211,32 @@ def test_rows_are_independent() -> None:
                                   ("temperature", "top_k", "top_p", "seeds", "indices")))
         t, lp = sample(logits[i:i + 1], alone)
         assert t.item() == tokens[i].item() and lp.item() == logprobs[i].item()
+
+
+def test_sampling_kind_of_a_batch() -> None:
+    """GREEDY only when every row is; FILTERED only when a sampled row filters (a greedy row's top-k is moot)."""
+    assert SamplingKind.of([True, True], [True, False]) is SamplingKind.GREEDY
+    assert SamplingKind.of([True, False], [True, False]) is SamplingKind.GUMBEL
+    assert SamplingKind.of([False, False], [False, True]) is SamplingKind.FILTERED
+    with pytest.raises(ValueError):
+        SamplingKind.of([False], [False, True])
+
+
+def test_each_kind_gives_the_general_paths_tokens() -> None:
+    """The kind a batch is given only skips work: GUMBEL (no mask) and GREEDY (no noise) equal the
+    general path, FILTERED, on the batches they are for; None reads the kind from the parameters."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 300, generator=gen, dtype=torch.float64) * 3
+    seeds, indices = [1, 2, 2**63 + 4, 5, 6, 7], [0, 3, 1, 4, 9, 2]
+    plain = SamplingTensors.build([0.0, 1.0, 0.5, 2.0, 1.0, 0.0], [-1, -1, 0, -1, -1, 5], [1.0] * 5 + [0.3],
+                                  seeds, indices)
+    greedy = SamplingTensors.build([0.0] * 6, [3] * 6, [0.5] * 6, seeds, indices)
+    for p, kind in ((plain, SamplingKind.GUMBEL), (greedy, SamplingKind.GREEDY)):
+        general = sample(logits, p, SamplingKind.FILTERED)
+        for stated in (kind, None):
+            got = sample(logits, p, stated)
+            assert torch.equal(got[0], general[0]) and torch.equal(got[1], general[1])
+    assert not torch.equal(sample(logits, plain, SamplingKind.GUMBEL)[0], sample(logits, greedy)[0])
 
 
 @pytest.mark.gpu
