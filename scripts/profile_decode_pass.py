@@ -30,11 +30,10 @@ that won in a `scripts/bench_linear.py --sweep --json FILE` run, compared with `
 batches rotating q and k and writing k and v in the attention's launch (triton_backend's
 paged_attention_rotary, RunnerConfig.fused_rotary_attention): one launch a layer fewer, compared
 with that path (bit-equal expected: the same arithmetic).
-`--head-strip` adds `fused-head-strip`: the last --pdl path with the LM head through a strip
-(StripConfig(4, 4), ouro_fused.HEAD_STRIP_SETTINGS' candidate; its pass is that path's), compared
-with it, and times device refill's CODA of the rows (runner.sample_on_device with `needed`, greedy,
-one graph each) on both paths with every row needed and with none: the gated head reads no weight
-when no row exited.
+`--cublas-head` adds `fused-cublas-head`: the last --pdl path with the LM head on cuBLAS instead of
+ouro_fused.HEAD_STRIP_SETTINGS' gated strip (its pass is that path's), compared with it, and times
+device refill's CODA of the rows (runner.sample_on_device with `needed`, greedy, one graph each) on
+both paths with every row needed and with none: the gated strip reads no weight when no row exited.
 `--epilogue-paths` adds three paths under the last --pdl launch, each compared with that path:
 `fused-swiglu` (gate|up's strip applies SwiGLU too: StripConfig(2, 4), ouro_fused.STRIP_SWIGLU_SETTINGS;
 bit-equal where that path's gate|up is a strip too: Ouro-1.4B's shapes at one row), and
@@ -79,8 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also time the fused path with every GEMM on cuBLAS (no strip or split-K GEMVs)")
     p.add_argument("--rotary-attention", action="store_true",
                    help="add fused-rotary-attention (RoPE and the K/V write in the attention's launch)")
-    p.add_argument("--head-strip", action="store_true",
-                   help="add fused-head-strip and time device refill's CODA with its gated head (see the docstring)")
+    p.add_argument("--cublas-head", action="store_true",
+                   help="add fused-cublas-head and time device refill's CODA against it (see the docstring)")
     p.add_argument("--epilogue-paths", action="store_true",
                    help="add fused-swiglu, fused-rotary-n1 and fused-rotary-n2 (epilogue strips; see the docstring)")
     p.add_argument("--top", type=int, default=0, help="print the N kernel names with the most GPU time per path")
@@ -104,7 +103,6 @@ from rlt_worker.kernels.launch import PLAIN, KernelLaunch  # noqa: E402
 from rlt_worker.kernels.strip_gemv import StripConfig  # noqa: E402
 from rlt_worker.kv_storage import KVStorage, num_planes  # noqa: E402
 from rlt_worker.model_runner import ModelRunner, RunnerConfig  # noqa: E402
-from rlt_worker.models.layers import head_weight  # noqa: E402
 from rlt_worker.models.loader import load_model  # noqa: E402
 from rlt_worker.models.ouro_fused import FusedOuroModel  # noqa: E402
 from rlt_worker.sampler import SamplingKind  # noqa: E402
@@ -140,11 +138,9 @@ class Setup:
         if args.rotary_attention:
             _, launch = fused[-1]
             paths.append((ROTARY_ATTENTION_PATH, FusedOuroModel(self.reference, launch), launch))
-        if args.head_strip:
+        if args.cublas_head:
             _, launch = fused[-1]
-            head = head_weight(self.reference, self.reference.model.embed_tokens.weight)
-            paths.append((HEAD_STRIP_PATH, FusedOuroModel(self.reference, launch, head_strip={
-                (*head.shape, dtype): HEAD_STRIP_CANDIDATE}), launch))
+            paths.append((CUBLAS_HEAD_PATH, FusedOuroModel(self.reference, launch, head_strip={}), launch))
         if args.epilogue_paths:
             _, launch = fused[-1]
             paths += [(name, FusedOuroModel(self.reference, launch, **settings), launch)
@@ -195,7 +191,8 @@ class Setup:
 
 
 ROTARY_ATTENTION_PATH = "fused-rotary-attention"
-HEAD_STRIP_PATH, HEAD_STRIP_CANDIDATE = "fused-head-strip", StripConfig(4, 4)
+CUBLAS_HEAD_PATH = "fused-cublas-head"
+GREEDY = SamplingKind.GREEDY
 EPILOGUE_PATHS = ("fused-swiglu", "fused-rotary-n1", "fused-rotary-n2")
 
 
@@ -313,7 +310,7 @@ def profile_needed_head(setup: Setup, paths: tuple[str, str], rows: int, replays
         runner.state[:rows] = setup.state0[:rows]
         for label, needed in (("all", torch.ones(rows, dtype=torch.bool, device=setup.device)),
                               ("none", torch.zeros(rows, dtype=torch.bool, device=setup.device))):
-            graph = _graph_of(lambda r=runner, n=needed: r.sample_on_device(slots, params, True, n), cuda)
+            graph = _graph_of(lambda r=runner, n=needed: r.sample_on_device(slots, params, GREEDY, n), cuda)
             times = time_replays(graph, replays, cuda)
             out.append({"path": name, "rows": rows, "needed": label, "graph_gpu_ms_median": statistics.median(times)})
         with torch.inference_mode():
@@ -381,7 +378,7 @@ def main(args: argparse.Namespace) -> dict:
         last_fused = {"off": "fused", "on": "fused-pdl", "both": "fused-pdl"}[args.pdl]
         comparisons += [(last_fused, name) for name in EPILOGUE_PATHS] if args.epilogue_paths else []
         comparisons += [(last_fused, ROTARY_ATTENTION_PATH)] if args.rotary_attention else []
-        comparisons += [(last_fused, HEAD_STRIP_PATH)] if args.head_strip else []
+        comparisons += [(last_fused, CUBLAS_HEAD_PATH)] if args.cublas_head else []
         for rows in rows_list:
             outs = {name: setup.run_pass(name, rows, args.context) for name in setup.runners}
             report["parity"].extend({"pair": f"{b} vs {a}", "dtype": dtype_name, "rows": rows,
@@ -404,10 +401,10 @@ def main(args: argparse.Namespace) -> dict:
                     "top_kernels": sorted(([n, c, round(us, 1)] for n, (c, us) in names.items()),
                                           key=lambda row: -row[2])[: args.top] if args.top else [],
                 })
-            if cuda or setup.runners["fused"]._graphs.coda is not None:
+            if cuda or setup.runners[_fused_path(setup)]._graphs.coda is not None:
                 report["coda"].extend(profile_coda(setup, rows, args.replays, cuda))
-            if args.head_strip:
-                report["needed_head"].extend(profile_needed_head(setup, (last_fused, HEAD_STRIP_PATH), rows,
+            if args.cublas_head:
+                report["needed_head"].extend(profile_needed_head(setup, (last_fused, CUBLAS_HEAD_PATH), rows,
                                                                  args.replays, cuda))
         del setup
         if cuda:

@@ -58,8 +58,10 @@ __all__ = ["finalize_kv", "paged_attention", "paged_attention_rotary", "write_kv
 _LOG2E = 1.4426950408889634
 # One line to the L2 per pointer (PTX prefetch), and a dummy result: inline asm must return a value.
 _PREFETCH_L2: tl.constexpr = tl.constexpr("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;") if tl else None
-# Fewest tokens worth giving a split: below this the merge costs more than it wins.
-_MIN_SPLIT_TOKENS = 128
+# Fewest tokens worth giving a split: below this the merge costs more than it wins. 64 gives one row
+# of Ouro-1.4B at context 1,024 16 splits (one 64-token tile each): 8.47 µs a layer against 9.19 with
+# 128's 8, PDL launches, on an H100 (scripts/bench_decode_attention.py, docs/benchmarks.md).
+_MIN_SPLIT_TOKENS = 64
 # How paged_attention_rotary's writer program hands this pass's k and v to its own loop (_attn_kernel,
 # STORE_FIRST): from registers (False) or stored first behind a barrier (True). Neither is timed yet
 # (scripts/gpu_time_off_paths.sh profiles both); the same bits either way.

@@ -36,7 +36,7 @@ and swiglu's launch. q|k|v and the attention go through a third (`QkvAttention`)
 WritingAttentionContext, a strip that also rotates q and k and writes k and v into the paged caches
 (`ctx.attend_writing`; STRIP_ROTARY_SETTINGS is empty, so off: it measured slower), else the GEMM and
 the context's attend_rotary. The LM head goes through a fourth (`StripHead`): a strip (≤
-`strip_max_rows` rows; HEAD_STRIP_SETTINGS, empty, so off until timed), which `lm_head_needed` gates
+`strip_max_rows` rows whose head has a setting in HEAD_STRIP_SETTINGS), which `lm_head_needed` gates
 by the rows whose logits are read, else the reference's head.
 
 The kernels round as the torch modules do (rlt_worker/kernels/fused_ops.py), but the mean of
@@ -100,10 +100,11 @@ STRIP_SWIGLU_SETTINGS: Mapping[WeightKey, StripConfig] = {
 STRIP_ROTARY_SETTINGS: Mapping[WeightKey, StripConfig] = {}
 # The LM head's strip for passes of at most STRIP_MAX_ROWS rows, gated by the rows whose logits are
 # needed (lm_head_needed: device refill's CODA at every pass reads only the rows that exited, so a
-# pass where none did reads no head weight). Empty, so off until timed; the setting to time is
-# (49152, 2048): StripConfig(4, 4), whose ungated CODA of one row took 0.0716 ms against 0.073 with
-# cuBLAS on the H200 (docs/benchmarks.md).
-HEAD_STRIP_SETTINGS: Mapping[WeightKey, StripConfig] = {}
+# pass where none did reads no head weight). Ouro-1.4B's head (49152 × 2048), measured on an H100
+# (docs/benchmarks.md, 2026-12-07, third): device refill's CODA of one row 0.110 ms with no row
+# needed against 0.168 with cuBLAS, 0.161 against 0.167 with it needed; c = 1 ouro 276.6 tok/s against
+# 268.8 (ouro / ouro_replay 0.950 against 0.925).
+HEAD_STRIP_SETTINGS: Mapping[WeightKey, StripConfig] = {(49152, 2048, d): StripConfig(4, 4) for d in SUPPORTED_DTYPES}
 
 
 class PackedLayer(NamedTuple):
