@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu_time_off_paths.sh first [BUDGET]   # a session's first call: as much as BUDGET s
 #                                                       # (default 560) holds, most needed first
-#   bash scripts/gpu_time_off_paths.sh 1                # the attention sweep and the pass variants
+#   bash scripts/gpu_time_off_paths.sh 1                # the attention sweep, sampling, the pass variants
 #   bash scripts/gpu_time_off_paths.sh 2                # c = 1 throughput of the default tree
 #   bash scripts/gpu_time_off_paths.sh 3                # the GPU tests of the paths
 #
@@ -24,6 +24,7 @@
 # - attn: the decode attention alone (scripts/bench_decode_attention.py, 24 layers' caches in one graph,
 #   context 1,024): plain and PDL launches × 4 warps × 4, 8, 16, 32 splits × 32- and 64-token tiles at
 #   rows 1, 2, 8 and 32. attn.json, attn.log.
+# - sampling: scripts/bench_sampling.py, the sampler's rules and kinds at 1 and 32 rows. sampling.json, .log.
 # - c1: c = 1 fixed, trace, ouro and ouro_replay (median of 3, the float32 gate) of this tree.
 #   c1.json, c1.log.
 # Each step has its own timeout; a step that runs out leaves the others' files.
@@ -89,6 +90,8 @@ first)
   ;;
 1)
   attention_sweep 150
+  timeout 60 python scripts/bench_sampling.py --json "$out/sampling.json" > "$out/sampling.log" 2>&1
+  step sampling $?
   variant store-first 80 1 's/^ROTARY_STORE_FIRST = False$/ROTARY_STORE_FIRST = True/'
   variant nodot8 80 1,32 "${NODOT8[@]}"
   ;;
