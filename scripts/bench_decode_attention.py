@@ -2,7 +2,8 @@
 
 Run on the GPU host (~1 minute):
 
-    python scripts/bench_decode_attention.py [--rows 1,8,32] [--context 1024] [--json $OUT/attn.json]
+    python scripts/bench_decode_attention.py [--rows 1,8,32] [--context 1024] [--table-tokens 2048]
+                                             [--json $OUT/attn.json]
 
 For each row count, `--layers` layers' caches (16 kv heads × 128, block 16, bf16, each row's
 blocks shuffled through the pool) are read back to back inside one CUDA graph, as a pass does,
@@ -14,7 +15,9 @@ default tile) and every (num_splits, tile) of --splits × --tiles, each at every
 --launch (`plain`, or `pdl`: programmatic dependent launch, as a decode pass of few rows launches it,
 so each layer's program asks the L2 for its first tile before waiting for the layer before; `auto`
 at the first listed). Each variant's output is checked against `auto`'s (bf16 tolerance) before it is
-timed.
+timed. `--table-tokens` sets the block table's width (default: the context), which the split
+heuristics read: a graphed decode pass's table is a power-of-two bucket, 2,048 tokens for contexts of
+1,025 to 2,048, so `--context 1088 --table-tokens 2048` is a 1,024-token prompt's decode midway.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,8,32")
     p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--table-tokens", type=int, default=None,
+                   help="the block table's width in tokens, ≥ --context (default: the context)")
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--replays", type=int, default=50)
     p.add_argument("--splits", default="2,4,8,16,32")
@@ -64,7 +69,7 @@ def launches(text: str) -> list[tuple[str, KernelLaunch]]:
 
 def bench_rows(args: argparse.Namespace, rows: int) -> list[dict]:
     device, dtype = torch.device("cuda"), torch.bfloat16
-    blocks = -(-args.context // BLOCK_SIZE)
+    blocks = -(-max(args.context, args.table_tokens or 0) // BLOCK_SIZE)  # the table's width
     gen = torch.Generator(device=device).manual_seed(rows)
     pool = torch.randn(args.layers, 2, rows * blocks, BLOCK_SIZE, HEADS, HEAD_DIM, device=device, dtype=dtype,
                        generator=gen)
@@ -115,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode_attention times CUDA graphs: run it on a CUDA GPU")
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "context": args.context,
+              "table_tokens": max(args.context, args.table_tokens or 0),
               "layers": args.layers, "results": [r for rows in ints(args.rows) for r in bench_rows(args, rows)]}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

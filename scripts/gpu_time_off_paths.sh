@@ -9,8 +9,8 @@
 #   bash scripts/gpu_time_off_paths.sh 3                # the GPU tests of the paths
 #
 # Parts 1-3 each stay under a call's 600 s. What the steps write under $OUT:
-# - tests: the GPU tests of the paths changed since their last GPU run: the attention (16 splits at
-#   one row since _MIN_SPLIT_TOKENS 64), the gated head strip (on by default), PDL, the Philox noise
+# - tests: the GPU tests of the paths changed since their last GPU run: the attention (more splits at
+#   few rows: triton_backend._auto_splits), the gated head strip (on by default), PDL, the Philox noise
 #   kernel and greedy sampling, device refill against the host loop. tests.log.
 # - pass: one loop pass and device refill's CODA (scripts/profile_decode_pass.py, rows 1 and 32, PDL
 #   on): the default path, `fused-rotary-attention` (a decode batch's RoPE, K/V write and attention in
@@ -22,7 +22,8 @@
 #   the rotary attention's writer storing before its loop (ROTARY_STORE_FIRST), one row.
 #   pass-NAME.json and .log.
 # - attn: the decode attention alone (scripts/bench_decode_attention.py, 24 layers' caches in one graph,
-#   context 1,024): plain and PDL launches × 4 warps × 4, 8, 16, 32 splits × 32- and 64-token tiles at
+#   context 1,088 in a 2,048-token table, as a 1,024-token prompt's decode is graphed): the heuristics'
+#   splits against plain and PDL launches × 4 warps × 4, 8, 16, 32 splits × 32- and 64-token tiles at
 #   rows 1, 2, 8 and 32. attn.json, attn.log.
 # - sampling: scripts/bench_sampling.py, the sampler's rules and kinds at 1 and 32 rows. sampling.json, .log.
 # - c1: c = 1 fixed, trace, ouro and ouro_replay (median of 3, the float32 gate) of this tree.
@@ -63,8 +64,8 @@ variant() {  # NAME SECONDS ROWS SED-EXPRESSION...: the rotary pass profile in a
   grep -E "^fused" "$out/pass-$name.log" | cut -c1-220
 }
 attention_sweep() {  # SECONDS
-  timeout "$1" python scripts/bench_decode_attention.py --rows 1,2,8,32 --launch plain,pdl --warps 4 --splits 4,8,16,32 \
-    --tiles 32,64 --json "$out/attn.json" > "$out/attn.log" 2>&1
+  timeout "$1" python scripts/bench_decode_attention.py --rows 1,2,8,32 --context 1088 --table-tokens 2048 \
+    --launch plain,pdl --warps 4 --splits 4,8,16,32 --tiles 32,64 --json "$out/attn.json" > "$out/attn.log" 2>&1
   step attn $?
   grep -A3 "^rows" "$out/attn.log" | cut -c1-160
 }

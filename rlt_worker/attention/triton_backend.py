@@ -58,10 +58,13 @@ __all__ = ["finalize_kv", "paged_attention", "paged_attention_rotary", "write_kv
 _LOG2E = 1.4426950408889634
 # One line to the L2 per pointer (PTX prefetch), and a dummy result: inline asm must return a value.
 _PREFETCH_L2: tl.constexpr = tl.constexpr("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;") if tl else None
-# Fewest tokens worth giving a split: below this the merge costs more than it wins. 64 gives one row
-# of Ouro-1.4B at context 1,024 16 splits (one 64-token tile each): 8.47 µs a layer against 9.19 with
-# 128's 8, PDL launches, on an H100 (scripts/bench_decode_attention.py, docs/benchmarks.md).
+# Fewest tokens worth giving a split, and the most splits: one row of Ouro-1.4B at context 1,024 (a
+# 1,024-token table) attends fastest in 16 splits of one 64-token tile each: 8.47 µs a layer against
+# 9.19 in 8 of two tiles, PDL launches, on an H100 (scripts/bench_decode_attention.py,
+# docs/benchmarks.md). A graphed pass's table is a power-of-two bucket (2,048 tokens for contexts of
+# 1,025 to 2,048), hence 32 at most: one tile a split there too.
 _MIN_SPLIT_TOKENS = 64
+_MAX_SPLITS = 32
 # How paged_attention_rotary's writer program hands this pass's k and v to its own loop (_attn_kernel,
 # STORE_FIRST): from registers (False) or stored first behind a barrier (True). Neither is timed yet
 # (scripts/gpu_time_off_paths.sh profiles both); the same bits either way.
@@ -373,16 +376,20 @@ def _check_device(*tensors: torch.Tensor) -> None:
 
 
 def _auto_splits(num_rows: int, num_kv_heads: int, max_tokens: int, device: torch.device) -> int:
-    """Splits per (row, kv head) so that small batches still fill the GPU; 1 when they already do."""
+    """Splits per (row, kv head) so that small batches still fill the GPU; 1 when they already do.
+
+    max_tokens is the block table's width, which a row's context fills from half to whole when the
+    table is a graph's power-of-two bucket: the splits past the context return at once, so the
+    occupancy bound counts twice the splits that would fill the GPU if every table were full."""
     if device.type != "cuda":
         return 1
     programs = num_rows * num_kv_heads
     target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     if programs >= target:
         return 1
-    by_occupancy = math.ceil(target / programs)
+    by_occupancy = 2 * math.ceil(target / programs)
     by_length = max(1, max_tokens // _MIN_SPLIT_TOKENS)
-    return max(1, min(by_occupancy, by_length, 16))
+    return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
 
 
 _L2_LINE_BYTES = 128
