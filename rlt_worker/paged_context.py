@@ -8,7 +8,7 @@ from types import ModuleType, SimpleNamespace
 import torch
 
 from rlt_worker.kv_storage import KVStorage
-from rlt_worker.models.base import LayerId, QKVWriter, Rotary
+from rlt_worker.models.base import LayerId, Rotary
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class PagedPlaneView:
 
 
 class PagedContext:
-    """Implements models.base.WritingAttentionContext over the worker's KV pool.
+    """Implements models.base.RotaryAttentionContext over the worker's KV pool.
 
     Loop layers use `loop_view` (each row's depth plane); layers outside the loop use
     `outer_view` (one version per position). Every row reads positions 0 … its own: through
@@ -95,17 +95,9 @@ class PagedContext:
             return self._backend.paged_attention_rotary(qkv, rope, k_cache, v_cache, view.block_tables,
                                                         self._context_lens, rope.head_dim ** -0.5, out=out)
 
-        def write_qkv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-            return self._backend.write_kv_rotary(k_cache, v_cache, qkv, rope, slots)
-
-        return self.attend_writing(layer, write_qkv, out=out)
-
-    def attend_writing(self, layer: LayerId, write_qkv: QKVWriter, *, out: torch.Tensor | None = None
-                       ) -> torch.Tensor:
-        """write_qkv over the layer's caches and this batch's slots, then its q's attention."""
         view = self._view(layer)
         k_cache, v_cache = self._storage.caches(layer.index)
-        q = write_qkv(k_cache, v_cache, view.slot_mapping)
+        q = self._backend.write_kv_rotary(k_cache, v_cache, qkv, rope, view.slot_mapping)
         return self._attention(view, q, k_cache, v_cache, out)
 
     def _view(self, layer: LayerId) -> PagedPlaneView:

@@ -34,11 +34,6 @@ with that path (bit-equal expected: the same arithmetic).
 ouro_fused.HEAD_STRIP_SETTINGS' gated strip (its pass is that path's), compared with it, and times
 device refill's CODA of the rows (runner.sample_on_device with `needed`, greedy, one graph each) on
 both paths with every row needed and with none: the gated strip reads no weight when no row exited.
-`--epilogue-paths` adds three paths under the last --pdl launch, each compared with that path:
-`fused-swiglu` (gate|up's strip applies SwiGLU too: StripConfig(2, 4), ouro_fused.STRIP_SWIGLU_SETTINGS;
-bit-equal where that path's gate|up is a strip too: Ouro-1.4B's shapes at one row), and
-`fused-rotary-n1` / `fused-rotary-n2` (and q|k|v's strip rotates q and k and writes k and v, 1 or 2
-pairs of rows a program: StripConfig(1 or 2, 4), ouro_fused.STRIP_ROTARY_SETTINGS).
 
 Both paths share one KV pool of random K/V (only values read by attention; both write their own
 K/V of the pass at the same slots). The bytes a pass must read (loop weights + the context's K/V)
@@ -80,8 +75,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="add fused-rotary-attention (RoPE and the K/V write in the attention's launch)")
     p.add_argument("--cublas-head", action="store_true",
                    help="add fused-cublas-head and time device refill's CODA against it (see the docstring)")
-    p.add_argument("--epilogue-paths", action="store_true",
-                   help="add fused-swiglu, fused-rotary-n1 and fused-rotary-n2 (epilogue strips; see the docstring)")
     p.add_argument("--top", type=int, default=0, help="print the N kernel names with the most GPU time per path")
     p.add_argument("--json", default=None, help="write the results here")
     return p.parse_args(argv)
@@ -100,7 +93,6 @@ from protocol.columns import I32, I64, pack  # noqa: E402
 from protocol.messages import Admit, BlockAppends, ExecutionPlan  # noqa: E402
 from rlt_worker.device_refill import RefillBuffers  # noqa: E402
 from rlt_worker.kernels.launch import PLAIN, KernelLaunch  # noqa: E402
-from rlt_worker.kernels.strip_gemv import StripConfig  # noqa: E402
 from rlt_worker.kv_storage import KVStorage, num_planes  # noqa: E402
 from rlt_worker.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from rlt_worker.models.loader import load_model  # noqa: E402
@@ -141,10 +133,6 @@ class Setup:
         if args.cublas_head:
             _, launch = fused[-1]
             paths.append((CUBLAS_HEAD_PATH, FusedOuroModel(self.reference, launch, head_strip={}), launch))
-        if args.epilogue_paths:
-            _, launch = fused[-1]
-            paths += [(name, FusedOuroModel(self.reference, launch, **settings), launch)
-                      for name, settings in epilogue_settings(self.reference.config, dtype).items()]
         if args.cublas_path:
             paths.append(("fused-cublas", FusedOuroModel(self.reference, PLAIN, splitk={}, strip={}), PLAIN))
         planes = num_planes(info, "last_exited", self.depth)
@@ -193,17 +181,6 @@ class Setup:
 ROTARY_ATTENTION_PATH = "fused-rotary-attention"
 CUBLAS_HEAD_PATH = "fused-cublas-head"
 GREEDY = SamplingKind.GREEDY
-EPILOGUE_PATHS = ("fused-swiglu", "fused-rotary-n1", "fused-rotary-n2")
-
-
-def epilogue_settings(config, dtype: torch.dtype) -> dict[str, dict]:
-    """FusedOuroModel's keyword arguments for each epilogue path, at the model's gate|up and q|k|v shapes."""
-    hidden = config.hidden_size
-    gate_up = {(2 * config.intermediate_size, hidden, dtype): StripConfig(2, 4)}
-    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim, hidden, dtype
-    return dict(zip(EPILOGUE_PATHS, (dict(strip_swiglu=gate_up),
-                                     dict(strip_swiglu=gate_up, strip_rotary={qkv: StripConfig(1, 4)}),
-                                     dict(strip_swiglu=gate_up, strip_rotary={qkv: StripConfig(2, 4)})), strict=True))
 
 
 def time_replays(graph, replays: int, cuda: bool) -> list[float]:
@@ -376,7 +353,6 @@ def main(args: argparse.Namespace) -> dict:
         comparisons += [(_fused_path(setup), "fused-splitk")] if args.splitk else []
         comparisons += [(_fused_path(setup), "fused-cublas")] if args.cublas_path else []
         last_fused = {"off": "fused", "on": "fused-pdl", "both": "fused-pdl"}[args.pdl]
-        comparisons += [(last_fused, name) for name in EPILOGUE_PATHS] if args.epilogue_paths else []
         comparisons += [(last_fused, ROTARY_ATTENTION_PATH)] if args.rotary_attention else []
         comparisons += [(last_fused, CUBLAS_HEAD_PATH)] if args.cublas_head else []
         for rows in rows_list:

@@ -124,21 +124,18 @@ SPLITK_KERNELS: dict[str, tuple[dict, dict]] = {
 }
 SPLITK_TYPES = {"part_ptr": "*fp32", "count_ptr": "*i32"}
 # The strip GEMV (kernels/strip_gemv.py) at q|k|v's K (a power of two) and down's (4096 + 1536 lanes),
-# and its epilogues: gate|up's SwiGLU, q|k|v's RoPE and K/V write (16 + 2×16 heads of 128, 16-token blocks).
-_PLAIN_STRIP = dict(PAIRED=False, SWIGLU=False, ROTARY=False, GROUP=1, Q_HEADS=0, ROT_HEADS=0, BLOCK_SIZE=1,
-                    LIBDEVICE=True, GATED=False, ROWS_PAD=1)
+# its SwiGLU epilogue (gate|up's) and its gated form (the LM head's).
+_PLAIN_STRIP = dict(SWIGLU=False, GROUP=1, LIBDEVICE=True, GATED=False, ROWS_PAD=1)
 STRIP_KERNELS: dict[str, tuple[dict, dict]] = {
     "strip_pow2": (dict(_PLAIN_STRIP, BLOCK_N=2, K_HI=2048, K_LO=0, K_LO_PAD=1), dict(num_warps=4, num_stages=1)),
     "strip_rest": (dict(_PLAIN_STRIP, BLOCK_N=1, K_HI=4096, K_LO=1536, K_LO_PAD=2048),
                    dict(num_warps=4, num_stages=1)),
-    "strip_swiglu": (dict(_PLAIN_STRIP, BLOCK_N=2, K_HI=2048, K_LO=0, K_LO_PAD=1, PAIRED=True, SWIGLU=True,
-                          GROUP=5632), dict(num_warps=4, num_stages=1)),
+    "strip_swiglu": (dict(_PLAIN_STRIP, BLOCK_N=2, K_HI=2048, K_LO=0, K_LO_PAD=1, SWIGLU=True, GROUP=5632),
+                     dict(num_warps=4, num_stages=1)),
     "strip_gated": (dict(_PLAIN_STRIP, BLOCK_N=4, K_HI=2048, K_LO=0, K_LO_PAD=1, GATED=True),
                     dict(num_warps=4, num_stages=1)),
-    "strip_rotary": (dict(_PLAIN_STRIP, BLOCK_N=1, K_HI=2048, K_LO=0, K_LO_PAD=1, PAIRED=True, ROTARY=True,
-                          GROUP=64, Q_HEADS=16, ROT_HEADS=32, BLOCK_SIZE=16), dict(num_warps=4, num_stages=1)),
 }
-STRIP_TYPES = {"pos_ptr": "*i64", "slot_ptr": "*i64", "needed_ptr": "*i1"}
+STRIP_TYPES = {"needed_ptr": "*i1"}
 SPLITK_DIVISIBLE = ("N", "K", "stride_xm", "stride_wn", "stride_ym", "k_per_split")
 
 
@@ -207,18 +204,9 @@ def test_pdl_splitk_gemv_loads_only_its_first_weight_tile_before_the_wait(compil
 
 @pytest.mark.parametrize("name", list(STRIP_KERNELS))
 def test_pdl_strip_gemv_loads_its_whole_strip_before_the_wait(compiled: None, name: str) -> None:
-    """Before the wait the weight strip's loads only; launch_dependents right after it; x's loads (and
-    the positions', the slots' and the rope table's) and every store after them. The rotary strip
-    (its successor: the attention) launches its dependents last, after its stores. A gated strip (the
-    LM head's) reads nothing before the wait: its needed rows decide whether it reads its weight."""
-    if STRIP_KERNELS[name][0]["ROTARY"]:
-        ops, launch_pdl = _ptx_memory_ops(name, pdl=True)
-        assert launch_pdl is True and ops.count("griddepcontrol.wait") == 1, ops
-        assert ops[-1] == "griddepcontrol.launch_dependents" and ops.count(ops[-1]) == 1, ops
-        before, after = ops[: ops.index("griddepcontrol.wait")], ops[ops.index("griddepcontrol.wait") + 1 :]
-        assert before and all(op == "ld.global" for op in before), before
-        assert "st.global" in after and "ld.global" in after, after
-        return
+    """Before the wait the weight strip's loads only; launch_dependents right after it; x's loads and
+    every store after them. A gated strip (the LM head's) reads nothing before the wait: its needed
+    rows decide whether it reads its weight."""
     before, after = _around_the_wait(name)
     gated = STRIP_KERNELS[name][0]["GATED"]
     assert (before == []) == gated and "ld.global" in after, (before, after)

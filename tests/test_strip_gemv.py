@@ -157,64 +157,11 @@ def check_strip_head() -> None:
         assert torch.equal(three, reference.lm_head(hidden)) and torch.equal(model.lm_head(hidden), three)
 
 
-def _rotary_case(heads: int, kv_heads: int, head_dim: int, k: int, dtype: torch.dtype, device: str, scale: float = 1.0):
-    """A q|k|v weight, a rope over rows at positions around block boundaries, and noise caches."""
-    from rlt_worker.kernels.fused_ops import rope_table
-    from rlt_worker.models.base import Rotary
-    from rlt_worker.paged_context import PagedPlaneView
-
-    gen = torch.Generator().manual_seed(heads * 31 + k)
-    n = (heads + 2 * kv_heads) * head_dim
-    w = (torch.randn(n, k, generator=gen, dtype=torch.float64) * scale).to(device, dtype)
-    positions = torch.tensor([3, 4, 9]).to(device)
-    tables = torch.tensor([[2, 0, 5], [2, 0, 5], [1, 6, 4]], dtype=torch.int32).to(device)
-    slots = PagedPlaneView(tables, positions, 4).slot_mapping
-    cos, sin = rope_table(64, head_dim, 1e4, dtype, device)
-    pool = torch.randn(2, 8, 4, kv_heads, head_dim, generator=gen, dtype=torch.float64).to(device, dtype)
-    return w, Rotary(positions, cos, sin, heads, kv_heads, head_dim), slots, pool
-
-
-def check_rotary_equals_the_strip_then_write_kv_rotary() -> None:
-    """A ROTARY_KV strip (q|k|v of 4+2×2 heads of 16, pairs of 1, 2 or 8 a program): q and both
-    caches bit for bit the plain strip's q|k|v through fused_ops.write_kv_rotary, K a power of two or
-    not, M = 1…3; misuse refused."""
-    from rlt_worker.kernels.fused_ops import write_kv_rotary
-    from rlt_worker.kernels.strip_gemv import Epilogue, KVTarget, StripConfig, StripGemv
-
-    for k, block_n in ((64, 1), (65, 2), (100, 8)):
-        w, rope, slots, pool = _rotary_case(4, 2, 16, k, torch.float32, "cpu")
-        n = w.shape[0]
-        plain = StripGemv(n, k, StripConfig(4, 2), 3)
-        fused = StripGemv(n, k, StripConfig(block_n, 2), 3, epilogue=Epilogue.ROTARY_KV, heads=(4, 2, 16))
-        for rows in (1, 3, 2):
-            x = _inputs(n, k, rows, torch.float32, "cpu")[0]
-            sub = rope._replace(positions=rope.positions[:rows])
-            want_k, want_v = pool.clone().unbind(0)
-            want_q = write_kv_rotary(want_k, want_v, plain(x, w), sub, slots[:rows])
-            got_k, got_v = pool.clone().unbind(0)
-            got_q = fused.rotary(x, w, sub, KVTarget(got_k, got_v, slots[:rows]))
-            where = f"K {k} N{block_n} M{rows}"
-            assert torch.equal(got_q, want_q), where
-            assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v), f"{where}: caches"
-    x = torch.randn(1, w.shape[1])
-    kc, vc = pool.clone().unbind(0)
-    with pytest.raises(ValueError, match="rotary"):
-        fused(x, w)
-    with pytest.raises(ValueError, match="RoPE"):
-        fused.rotary(x, w, rope._replace(num_heads=2, positions=rope.positions[:1]), KVTarget(kc, vc, slots[:1]))
-    with pytest.raises(ValueError, match="do not fit"):
-        fused.rotary(x, w, rope._replace(positions=rope.positions[:1]), KVTarget(kc, vc, slots[:2]))
-    for heads, cfg in (((4, 2, 16), StripConfig(16, 2)), ((4, 2, 8), StripConfig(1, 2)), (None, StripConfig(1, 2))):
-        with pytest.raises(ValueError, match="q\\|k\\|v|heads"):
-            StripGemv(128, 64, cfg, 1, epilogue=Epilogue.ROTARY_KV, heads=heads)
-
-
 def check_fused_loop_with_epilogue_strips() -> None:
-    """FusedOuroModel on toy-ouro (float32) with swiglu and rotary strips, over a paged context one row
-    a pass (a sequence's positions 0…4, 3 loops, each loop its own pool): every state and both caches
-    bit for bit those of the same model without epilogue strips (the strips, then swiglu's and
-    write_kv_rotary's launches), and within LOOP_TOL of OuroModel.loop; at 3 rows a pass (above
-    strip_max_rows) the composition runs, with the same bits."""
+    """FusedOuroModel on toy-ouro (float32) with a swiglu strip, over a paged context one row a pass (a
+    sequence's positions 0…4, 3 loops, each loop its own pool): every state and both caches bit for
+    bit those of the same model without it (the strip, then swiglu's launch), and within LOOP_TOL of
+    OuroModel.loop; at 3 rows a pass (above strip_max_rows) the composition runs, with the same bits."""
     from test_fused_ops import LOOP_TOL
 
     from rlt_worker.kernels.strip_gemv import StripConfig
@@ -224,11 +171,10 @@ def check_fused_loop_with_epilogue_strips() -> None:
     from rlt_worker.paged_context import PagedContext, PagedPlaneView
 
     reference = load_model("toy-ouro", dtype=torch.float32, device="cpu")
-    epilogues = dict(strip_swiglu={(256, 64, torch.float32): StripConfig(4, 2)},
-                     strip_rotary={(128, 64, torch.float32): StripConfig(2, 2)})
     models = {"composed": FusedOuroModel(reference, strip=_toy_strips()),
-              "fused": FusedOuroModel(reference, strip=_toy_strips(), **epilogues)}
-    assert list(models["fused"]._qkv_attention.strips) == [(128, 64, torch.float32)]
+              "fused": FusedOuroModel(reference, strip=_toy_strips(),
+                                      strip_swiglu={(256, 64, torch.float32): StripConfig(4, 2)})}
+    assert list(models["fused"]._gate_up_swiglu.strips) == [(256, 64, torch.float32)]
     info, block_size = reference.info, 4
     tokens = torch.randint(0, 256, (5,), generator=torch.Generator().manual_seed(5))
     table = torch.tensor([[3, 0]], dtype=torch.int32)
@@ -330,7 +276,6 @@ INTERP_CASES: dict[str, Callable[[], None]] = {
     "swiglu-strip": check_swiglu_equals_the_strip_then_swiglu,
     "fused-loop-swiglu": check_fused_loop_with_swiglu_strips,
     "bench-chain": check_bench_chain,
-    "rotary-strip": check_rotary_equals_the_strip_then_write_kv_rotary,
     "fused-loop-epilogues": check_fused_loop_with_epilogue_strips,
 }
 
@@ -454,44 +399,6 @@ def test_gpu_swiglu_strip_equals_the_strip_then_swiglu(dtype: torch.dtype) -> No
     static_x.copy_(x)
     graph.replay()
     assert torch.equal(static_y, want)
-
-
-@pytest.mark.gpu
-@interp.needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_rotary_strip_matches_the_strip_then_write_kv_rotary(dtype: torch.dtype) -> None:
-    """Ouro-1.4B's q|k|v (16 + 2×16 heads of 128) with RoPE and the K/V write: q and the caches within
-    the dtype's tolerance of the plain strip through write_kv_rotary (the two strips reduce in their
-    own orders); the same bits from a CUDA graph with PDL launches as eagerly with plain ones."""
-    from rlt_worker.kernels.fused_ops import write_kv_rotary
-    from rlt_worker.kernels.launch import PLAIN, KernelLaunch
-    from rlt_worker.kernels.strip_gemv import Epilogue, KVTarget, StripConfig, StripGemv
-
-    tol = HALF.get(dtype) or F32
-    pdl = KernelLaunch.for_device(True, torch.device("cuda"))
-    w, rope, slots, pool = _rotary_case(16, 16, 128, 2048, dtype, "cuda", scale=2048**-0.5)
-    x = _inputs(6144, 2048, 1, dtype, "cuda")[0]
-    rope, slots = rope._replace(positions=rope.positions[:1]), slots[:1]
-    want_k, want_v = pool.clone().unbind(0)
-    want_q = write_kv_rotary(want_k, want_v, StripGemv(6144, 2048, StripConfig(2, 4), 1)(x, w), rope, slots)
-
-    def fused(launch: KernelLaunch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        strip = StripGemv(6144, 2048, StripConfig(1, 4), 1, launch, Epilogue.ROTARY_KV, (16, 16, 128))
-        return strip.rotary(x, w, rope, KVTarget(k_cache, v_cache, slots))
-
-    got_k, got_v = pool.clone().unbind(0)
-    eager = fused(PLAIN, got_k, got_v)
-    for name, got, want in (("q", eager, want_q), ("k", got_k, want_k), ("v", got_v, want_v)):
-        torch.testing.assert_close(got, want, **tol, msg=lambda e, name=name: f"{name}: {e}")
-    graph_k, graph_v = pool.clone().unbind(0)
-    fused(pdl, graph_k, graph_v)  # compiled before capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = fused(pdl, graph_k, graph_v)
-    graph_k.copy_(pool[0])
-    graph_v.copy_(pool[1])
-    graph.replay()
-    assert torch.equal(captured, eager) and torch.equal(graph_k, got_k) and torch.equal(graph_v, got_v)
 
 
 @pytest.mark.gpu

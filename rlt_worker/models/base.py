@@ -15,7 +15,6 @@ One generated position, for either family:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -23,8 +22,7 @@ import torch
 from protocol.messages import ModelInfo
 from rlt_worker.kernels.launch import PLAIN, KernelLaunch
 
-__all__ = ["AttentionContext", "LayerId", "LoopedModel", "ModelInfo", "QKVWriter", "RotaryAttentionContext", "Rotary",
-           "WritingAttentionContext"]
+__all__ = ["AttentionContext", "LayerId", "LoopedModel", "ModelInfo", "RotaryAttentionContext", "Rotary"]
 
 
 class LayerId(NamedTuple):
@@ -85,21 +83,6 @@ class RotaryAttentionContext(AttentionContext, Protocol):
 
         Equals rotating with kernels.fused_ops.rope_qk, then attend(layer, q, k, v), bit for bit.
         """
-        ...
-
-
-# A fused K/V write: (k_cache, v_cache, slot_mapping) of one layer → q [N, Hq, Dh], this batch's k
-# and v stored at the slots on the way (a q|k|v GEMV with the rotating write in its epilogue).
-QKVWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@runtime_checkable
-class WritingAttentionContext(RotaryAttentionContext, Protocol):
-    """A context that hands a fused K/V write its layer's caches and slots, then attends."""
-
-    def attend_writing(self, layer: LayerId, write_qkv: QKVWriter) -> torch.Tensor:
-        """write_qkv(k_cache, v_cache, slot_mapping) of `layer`, then `attend` of the q it returns over
-        the caches it wrote: attend_rotary's result where write_qkv stores what write_kv_rotary does."""
         ...
 
 

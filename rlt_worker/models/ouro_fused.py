@@ -15,7 +15,7 @@ and runs `loop` as, per decoder layer,
 plus one plain RMSNorm at the loop's start: per layer 4 GEMMs, 3 elementwise launches and the
 context's (the rotating K/V write, the attention, a split merge) instead of ~58 kernels. A context
 without attend_rotary (a test's or a script's own) gets the same numbers by composition: rope_qk,
-then its attend (`rope_then_attend`).
+then its attend (`attend_rotary`).
 
 Packing concatenates q|k|v and gate|up into one weight each and re-points the reference modules'
 weights at views of it, so no weight is held twice and the checkpoint's names (the reference's
@@ -32,10 +32,8 @@ settings by weight (out, in, dtype):
     only `down` beat cuBLAS alone, and the pass was slower with it.
 gate|up and SwiGLU go through a second strategy (`GateUpSwiGLU`): a strip with the SwiGLU epilogue
 (≤ `strip_max_rows` rows; STRIP_SWIGLU_SETTINGS: Ouro-1.4B's gate|up), else the linear strategy's GEMM
-and swiglu's launch. q|k|v and the attention go through a third (`QkvAttention`): over a
-WritingAttentionContext, a strip that also rotates q and k and writes k and v into the paged caches
-(`ctx.attend_writing`; STRIP_ROTARY_SETTINGS is empty, so off: it measured slower), else the GEMM and
-the context's attend_rotary. The LM head goes through a fourth (`StripHead`): a strip (≤
+and swiglu's launch. q|k|v goes through the linear strategy, then the context's attend_rotary (RoPE
+in the K/V write's launch). The LM head goes through a third strategy (`StripHead`): a strip (≤
 `strip_max_rows` rows whose head has a setting in HEAD_STRIP_SETTINGS), which `lm_head_needed` gates
 by the rows whose logits are read, else the reference's head.
 
@@ -59,9 +57,9 @@ from rlt_worker.attention.triton_backend import _interpreting
 from rlt_worker.kernels.fused_ops import add_rmsnorm, rope_qk, rope_table, swiglu
 from rlt_worker.kernels.launch import PLAIN, KernelLaunch
 from rlt_worker.kernels.splitk_gemv import SUPPORTED_DTYPES, SplitKConfig, SplitKGemv
-from rlt_worker.kernels.strip_gemv import Epilogue, KVTarget, StripConfig, StripGemv
+from rlt_worker.kernels.strip_gemv import Epilogue, StripConfig, StripGemv
 
-from .base import AttentionContext, LayerId, LoopedModel, Rotary, RotaryAttentionContext, WritingAttentionContext
+from .base import AttentionContext, LayerId, LoopedModel, Rotary, RotaryAttentionContext
 from .layers import head_weight
 from .ouro import OuroDecoderLayer, OuroModel
 
@@ -89,15 +87,9 @@ STRIP_MAX_ROWS = 1
 # the up rows below them, one launch for y·W_gate_upᵀ and swiglu), for passes of at most
 # STRIP_MAX_ROWS rows: Ouro-1.4B's gate|up with StripConfig(2, 4) (2 gate and 2 up rows a program, the
 # registers of the plain strip's N4 w4). A 1-row pass on the H200: 1.064 ms against 1.103 with swiglu's
-# launch, the same bits (scripts/profile_decode_pass.py --epilogue-paths; docs/benchmarks.md).
+# launch, the same bits (docs/benchmarks.md).
 STRIP_SWIGLU_SETTINGS: Mapping[WeightKey, StripConfig] = {
     (11264, 2048, dtype): StripConfig(2, 4) for dtype in SUPPORTED_DTYPES}
-# Strips of q|k|v that also rotate q and k and store k and v into the paged caches (one launch for
-# y·W_qkvᵀ and write_kv_rotary), for passes of at most STRIP_MAX_ROWS rows; StripConfig(1, 4) holds
-# one pair of rows (dimensions i and i + Dh/2 of a head) a program, the registers of q|k|v's N2 w4.
-# Empty, so off: with the attention launched right after the strip's wait, the 1-row pass took
-# 1.109 ms against 1.064 (docs/benchmarks.md); to time: scripts/profile_decode_pass.py --epilogue-paths.
-STRIP_ROTARY_SETTINGS: Mapping[WeightKey, StripConfig] = {}
 # The LM head's strip for passes of at most STRIP_MAX_ROWS rows, gated by the rows whose logits are
 # needed (lm_head_needed: device refill's CODA at every pass reads only the rows that exited, so a
 # pass where none did reads no head weight). Ouro-1.4B's head (49152 × 2048), measured on an H100
@@ -157,7 +149,6 @@ class FusedOuroModel(LoopedModel):
                  strip: Mapping[WeightKey, StripConfig] = STRIP_SETTINGS,
                  strip_max_rows: int = STRIP_MAX_ROWS,
                  strip_swiglu: Mapping[WeightKey, StripConfig] = STRIP_SWIGLU_SETTINGS,
-                 strip_rotary: Mapping[WeightKey, StripConfig] = STRIP_ROTARY_SETTINGS,
                  head_strip: Mapping[WeightKey, StripConfig] = HEAD_STRIP_SETTINGS) -> None:
         super().__init__()
         self.reference = reference
@@ -175,9 +166,6 @@ class FusedOuroModel(LoopedModel):
         strips = EpilogueStrips(strip_max_rows, self.launch)
         self._gate_up_swiglu = GateUpSwiGLU(self._linear, strips.built([w.gate_up for w in self._layers],
                                                                        strip_swiglu, Epilogue.SWIGLU), strips)
-        heads = (self._heads, self._kv_heads, self._head_dim)
-        self._qkv_attention = QkvAttention(self._linear, strips.built([w.qkv for w in self._layers], strip_rotary,
-                                                                      Epilogue.ROTARY_KV, heads), strips)
         head = head_weight(reference, reference.model.embed_tokens.weight)
         self._head = StripHead(reference, head, strips.built([head], head_strip, Epilogue.STORE), strips)
         self._final_norm = reference.model.norm.weight.detach()  # a plain tensor: not a parameter of this module
@@ -202,7 +190,7 @@ class FusedOuroModel(LoopedModel):
         rope = Rotary(positions, self._cos, self._sin, self._heads, self._kv_heads, self._head_dim)
         x, y = add_rmsnorm(state, None, None, layers[0].input_norm, eps, launch=launch)
         for i, w in enumerate(layers):
-            attn = self._qkv_attention(ctx, w.layer, y, w.qkv, rope).reshape(n, -1)
+            attn = attend_rotary(ctx, w.layer, linear(y, w.qkv), rope).reshape(n, -1)
             x, y = add_rmsnorm(x, linear(attn, w.o), w.input_norm_2, w.post_norm, eps, launch=launch)
             mlp = linear(self._gate_up_swiglu(y, w.gate_up), w.down)
             closing = layers[i + 1].input_norm if i + 1 < len(layers) else self._final_norm
@@ -296,14 +284,14 @@ class EpilogueStrips:
     def __init__(self, max_rows: int, launch: KernelLaunch) -> None:
         self.max_rows, self.launch = max_rows, launch
 
-    def built(self, weights: list[torch.Tensor], settings: Mapping[WeightKey, StripConfig], epilogue: Epilogue,
-              heads: tuple[int, int, int] | None = None) -> dict[WeightKey, StripGemv]:
+    def built(self, weights: list[torch.Tensor], settings: Mapping[WeightKey, StripConfig], epilogue: Epilogue
+              ) -> dict[WeightKey, StripGemv]:
         """One strip per listed (out, in, dtype) of these weights where a Triton GEMV runs."""
         strips: dict[WeightKey, StripGemv] = {}
         for w in weights:
             key = (*w.shape, w.dtype)
             if key in settings and key not in strips and triton_runs(w):
-                strips[key] = StripGemv(*w.shape, settings[key], self.max_rows, self.launch, epilogue, heads)
+                strips[key] = StripGemv(*w.shape, settings[key], self.max_rows, self.launch, epilogue)
         return strips
 
     def find(self, strips: dict[WeightKey, StripGemv], x: torch.Tensor, weight: torch.Tensor) -> StripGemv | None:
@@ -342,27 +330,6 @@ class StripHead:
         return self._reference.lm_head(hidden)
 
 
-class QkvAttention:
-    """The attention of x·W_qkvᵀ's q|k|v, rotated, its k and v written: for passes of at most max_rows
-    rows whose q|k|v weight has a strip, over a context that takes a fused write
-    (WritingAttentionContext), one strip launch for the GEMV, RoPE and the K/V write; else the linear
-    strategy's GEMM and the context's attend_rotary (or rope_then_attend). The same bits under the
-    interpreter; on CUDA the strip reduces in its own order (a layout of its own)."""
-
-    def __init__(self, linear: Linear, strips: dict[WeightKey, StripGemv], shared: EpilogueStrips) -> None:
-        self._linear, self.strips, self._shared = linear, strips, shared
-
-    def __call__(self, ctx: AttentionContext, layer: LayerId, x: torch.Tensor, qkv: torch.Tensor,
-                 rope: Rotary) -> torch.Tensor:
-        strip = self._shared.find(self.strips, x, qkv)  # the dict lookup first: isinstance of a Protocol is slow
-        if strip is not None and isinstance(ctx, WritingAttentionContext):
-            return ctx.attend_writing(layer, lambda k_cache, v_cache, slots: strip.rotary(
-                x, qkv, rope, KVTarget(k_cache, v_cache, slots)))
-        if isinstance(ctx, RotaryAttentionContext):
-            return ctx.attend_rotary(layer, self._linear(x, qkv), rope)
-        return rope_then_attend(ctx, layer, self._linear(x, qkv), rope)
-
-
 def triton_rows(linear: Linear, weights: list[torch.Tensor]) -> int:
     """The most rows for which every weight's GEMV is a Triton kernel (0: some weight always has cuBLAS)."""
     if not isinstance(linear, RowBoundLinear):
@@ -371,8 +338,11 @@ def triton_rows(linear: Linear, weights: list[torch.Tensor]) -> int:
                for w in weights)
 
 
-def rope_then_attend(ctx: AttentionContext, layer: LayerId, qkv: torch.Tensor, rope: Rotary) -> torch.Tensor:
-    """attend_rotary for a context that has only `attend`: rope_qk's launch, then ctx.attend."""
+def attend_rotary(ctx: AttentionContext, layer: LayerId, qkv: torch.Tensor, rope: Rotary) -> torch.Tensor:
+    """The attention of q|k|v rows with q and k rotated: the context's attend_rotary where it has one
+    (RoPE in the K/V write's launch), else rope_qk's launch then ctx.attend."""
+    if isinstance(ctx, RotaryAttentionContext):
+        return ctx.attend_rotary(layer, qkv, rope)
     q, k = rope_qk(qkv, *rope)
     v = qkv[:, (rope.num_heads + rope.num_kv_heads) * rope.head_dim :].view(-1, rope.num_kv_heads, rope.head_dim)
     return ctx.attend(layer, q, k, v)
