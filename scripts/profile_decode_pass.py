@@ -46,6 +46,7 @@ emulated graphs (a smoke test of the script; its times mean nothing).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -287,9 +288,15 @@ def profile_needed_head(setup: Setup, paths: tuple[str, str], rows: int, replays
         runner.state[:rows] = setup.state0[:rows]
         for label, needed in (("all", torch.ones(rows, dtype=torch.bool, device=setup.device)),
                               ("none", torch.zeros(rows, dtype=torch.bool, device=setup.device))):
-            graph = _graph_of(lambda r=runner, n=needed: r.sample_on_device(slots, params, GREEDY, n), cuda)
-            times = time_replays(graph, replays, cuda)
-            out.append({"path": name, "rows": rows, "needed": label, "graph_gpu_ms_median": statistics.median(times)})
+            coda = functools.partial(runner.sample_on_device, slots, params, GREEDY, needed)
+            times = time_replays(_graph_of(coda, cuda), replays, cuda)
+            # Its kernels, eagerly: on an H100 this CODA took 0.167 ms where CodaGraphs' greedy one,
+            # the same sample_on_device, took 0.096 (docs/benchmarks.md); which kernels differ?
+            with torch.inference_mode():
+                kernels, names = count_kernels(coda, cuda)
+            top = sorted(([n, c, round(us, 1)] for n, (c, us) in names.items()), key=lambda row: -row[2])[:8]
+            out.append({"path": name, "rows": rows, "needed": label, "graph_gpu_ms_median": statistics.median(times),
+                        "kernels": kernels, "top_kernels": top})
         with torch.inference_mode():
             logits[name] = runner.model.lm_head_needed(runner.state[:rows], torch.ones(rows, dtype=torch.bool,
                                                                                        device=setup.device))
@@ -419,7 +426,9 @@ def print_report(report: dict, hbm_tbps: float) -> None:
                   f"worst row cosine {h['worst_row_cosine']:.7f}")
         else:
             print(f"device refill's CODA {h['path']:18} rows {h['rows']:>3}, needed {h['needed']:4}: graph "
-                  f"{h['graph_gpu_ms_median']:.3f} ms GPU")
+                  f"{h['graph_gpu_ms_median']:.3f} ms GPU, {h['kernels'] if h['kernels'] is not None else '-'} kernels")
+            for kernel, count, us in h["top_kernels"]:
+                print(f"        {count:5d} {us:9.1f} µs  {kernel[:100]}")
     print("parity, one pass from the same state (graph replays); A vs B: max|Δ| relative to max|B|:")
     for q in report["parity"]:
         print(f"  {q['pair']:24} {q['dtype']:9} rows {q['rows']:>3}: max|Δ| {q['max_abs_diff']:.3e}, max|Δ|/max|B| "
