@@ -375,6 +375,24 @@ def test_cpu_tensors_without_interpreter_raise(compiled: None) -> None:
         tb.paged_attention(**batch, scale=0.25)
 
 
+@pytest.mark.parametrize("rows,table_tokens,splits", [
+    (1, 1024, 16),  # one row in a full 1,024-token table: 16 one-tile splits (measured best, H100)
+    (1, 2048, 32),  # a 1,024-token prompt's decode: a 2,048-token table, half filled
+    (1, 256, 4),  # short tables: 64 tokens a split at least
+    (2, 2048, 18), (8, 2048, 6), (16, 2048, 4),  # the occupancy bound, counted twice
+    (17, 2048, 1), (32, 1024, 1),  # 272+ programs fill 132 SMs twice: one split
+])
+def test_auto_splits_fill_the_gpu_twice_over_for_a_half_filled_table(
+    monkeypatch: pytest.MonkeyPatch, rows: int, table_tokens: int, splits: int
+) -> None:
+    """triton_backend._auto_splits at Ouro-1.4B's 16 kv heads on a 132-SM device (an H100's or H200's):
+    twice the splits that would give 2 programs an SM, at most 32 and at least 64 tokens each; 1 on
+    the CPU."""
+    monkeypatch.setattr(tb, "_sm_count", lambda index: 132)
+    assert tb._auto_splits(rows, 16, table_tokens, torch.device("cuda", 0)) == splits
+    assert tb._auto_splits(rows, 16, table_tokens, torch.device("cpu")) == 1
+
+
 # ---- GPU, compiled: Ouro-1.4B shapes -----------------------------------------------------------
 
 OURO = dict(num_heads=16, num_kv_heads=16, head_dim=128, block_size=16)
