@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -111,11 +112,14 @@ class SamplingKind(enum.Enum):
     FILTERED = "filtered"  # the general path: top-k / top-p masks from one sort of each row
 
     @classmethod
-    def of(cls, greedy: Sequence[bool], filtered: Sequence[bool]) -> SamplingKind:
+    def of(cls, greedy: Sequence[bool] | np.ndarray, filtered: Sequence[bool] | np.ndarray) -> SamplingKind:
         """The kind of a batch whose rows are greedy (temperature <= 0) or filter (top-k or top-p on)."""
-        if all(greedy):
+        greedy, filtered = np.asarray(greedy, dtype=bool), np.asarray(filtered, dtype=bool)
+        if greedy.shape != filtered.shape:
+            raise ValueError(f"one filter flag a row: {filtered.shape} for {greedy.shape}")
+        if greedy.all():
             return cls.GREEDY
-        return cls.FILTERED if any(f and not g for g, f in zip(greedy, filtered, strict=True)) else cls.GUMBEL
+        return cls.FILTERED if (filtered & ~greedy).any() else cls.GUMBEL
 
 
 def sample(

@@ -218,7 +218,7 @@ def test_sampling_kind_of_a_batch() -> None:
     assert SamplingKind.of([True, True], [True, False]) is SamplingKind.GREEDY
     assert SamplingKind.of([True, False], [True, False]) is SamplingKind.GUMBEL
     assert SamplingKind.of([False, False], [False, True]) is SamplingKind.FILTERED
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="one filter flag a row"):
         SamplingKind.of([False], [False, True])
 
 
