@@ -15,7 +15,7 @@ and runs `loop` as, per decoder layer,
 plus one plain RMSNorm at the loop's start: per layer 4 GEMMs, 3 elementwise launches and the
 context's (the rotating K/V write, the attention, a split merge) instead of ~58 kernels. A context
 without attend_rotary (a test's or a script's own) gets the same numbers by composition: rope_qk,
-then its attend (`attend_rotary`).
+then its attend (`rope_then_attend`).
 
 Packing concatenates q|k|v and gate|up into one weight each and re-points the reference modules'
 weights at views of it, so no weight is held twice and the checkpoint's names (the reference's
@@ -45,6 +45,7 @@ the kernels' launch (`launch_pdl`: kernels/launch.py), which changes timing, not
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
@@ -188,9 +189,10 @@ class FusedOuroModel(LoopedModel):
         """All L decoder layers then `model.norm`, through the fused kernels."""
         n, eps, launch, layers, linear = state.shape[0], self._eps, self.launch, self._layers, self._linear
         rope = Rotary(positions, self._cos, self._sin, self._heads, self._kv_heads, self._head_dim)
+        attend = rotary_attention(ctx)  # once a pass: isinstance of a Protocol is slow
         x, y = add_rmsnorm(state, None, None, layers[0].input_norm, eps, launch=launch)
         for i, w in enumerate(layers):
-            attn = attend_rotary(ctx, w.layer, linear(y, w.qkv), rope).reshape(n, -1)
+            attn = attend(w.layer, linear(y, w.qkv), rope).reshape(n, -1)
             x, y = add_rmsnorm(x, linear(attn, w.o), w.input_norm_2, w.post_norm, eps, launch=launch)
             mlp = linear(self._gate_up_swiglu(y, w.gate_up), w.down)
             closing = layers[i + 1].input_norm if i + 1 < len(layers) else self._final_norm
@@ -338,11 +340,16 @@ def triton_rows(linear: Linear, weights: list[torch.Tensor]) -> int:
                for w in weights)
 
 
-def attend_rotary(ctx: AttentionContext, layer: LayerId, qkv: torch.Tensor, rope: Rotary) -> torch.Tensor:
-    """The attention of q|k|v rows with q and k rotated: the context's attend_rotary where it has one
-    (RoPE in the K/V write's launch), else rope_qk's launch then ctx.attend."""
+def rotary_attention(ctx: AttentionContext) -> Callable[[LayerId, torch.Tensor, Rotary], torch.Tensor]:
+    """How ctx attends q|k|v rows with q and k rotated: its own attend_rotary where it has one (RoPE in
+    the K/V write's launch), else rope_then_attend over it."""
     if isinstance(ctx, RotaryAttentionContext):
-        return ctx.attend_rotary(layer, qkv, rope)
+        return ctx.attend_rotary
+    return functools.partial(rope_then_attend, ctx)
+
+
+def rope_then_attend(ctx: AttentionContext, layer: LayerId, qkv: torch.Tensor, rope: Rotary) -> torch.Tensor:
+    """attend_rotary for a context that has only `attend`: rope_qk's launch, then ctx.attend."""
     q, k = rope_qk(qkv, *rope)
     v = qkv[:, (rope.num_heads + rope.num_kv_heads) * rope.head_dim :].view(-1, rope.num_kv_heads, rope.head_dim)
     return ctx.attend(layer, q, k, v)
