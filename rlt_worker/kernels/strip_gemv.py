@@ -171,11 +171,11 @@ class StripGemv:
             raise ValueError(f"StripGemv needs positive sizes, got {out_features}×{in_features}, max_rows {max_rows}")
         self.out_features, self.in_features = out_features, in_features
         self.config, self.max_rows, self.launch, self.epilogue = config, max_rows, launch, epilogue
-        self._units = out_features
+        self._units, self._group = out_features, 1  # group: SWIGLU's partner rows lie that far below
         if epilogue == Epilogue.SWIGLU:
             if out_features % 2:
                 raise ValueError(f"StripGemv with swiglu needs gate|up rows of an even count, got {out_features}")
-            self._units = out_features // 2
+            self._units = self._group = out_features // 2
         self._k = split_k(in_features)
         self._grid = (triton.cdiv(self._units, config.block_n),)
 
@@ -197,8 +197,7 @@ class StripGemv:
         jitted_gemv(_strip_kernel, interpret)[self._grid](
             x, weight, y, m, self._units, x.stride(0), weight.stride(0), y.stride(0), x if needed is None else needed,
             BLOCK_N=self.config.block_n, K_HI=k_hi, K_LO=k_lo, K_LO_PAD=k_lo_pad,
-            SWIGLU=self.epilogue == Epilogue.SWIGLU, GROUP=self._units if self.epilogue == Epilogue.SWIGLU else 1,
-            LIBDEVICE=not interpret,
+            SWIGLU=self.epilogue == Epilogue.SWIGLU, GROUP=self._group, LIBDEVICE=not interpret,
             GATED=needed is not None, ROWS_PAD=triton.next_power_of_2(self.max_rows),
             **self.launch.kwargs(m, num_warps=self.config.num_warps, num_stages=1),
         )
