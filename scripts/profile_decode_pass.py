@@ -181,7 +181,6 @@ class Setup:
 
 ROTARY_ATTENTION_PATH = "fused-rotary-attention"
 CUBLAS_HEAD_PATH = "fused-cublas-head"
-GREEDY = SamplingKind.GREEDY
 
 
 def time_replays(graph, replays: int, cuda: bool) -> list[float]:
@@ -288,7 +287,7 @@ def profile_needed_head(setup: Setup, paths: tuple[str, str], rows: int, replays
         runner.state[:rows] = setup.state0[:rows]
         for label, needed in (("all", torch.ones(rows, dtype=torch.bool, device=setup.device)),
                               ("none", torch.zeros(rows, dtype=torch.bool, device=setup.device))):
-            coda = functools.partial(runner.sample_on_device, slots, params, GREEDY, needed)
+            coda = functools.partial(runner.sample_on_device, slots, params, SamplingKind.GREEDY, needed)
             times = time_replays(_graph_of(coda, cuda), replays, cuda)
             # Its kernels, eagerly: on an H100 this CODA took 0.167 ms where CodaGraphs' greedy one,
             # the same sample_on_device, took 0.096 (docs/benchmarks.md); which kernels differ?

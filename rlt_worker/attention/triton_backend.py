@@ -66,8 +66,9 @@ _PREFETCH_L2: tl.constexpr = tl.constexpr("prefetch.global.L2 [$1];\n\tmov.u32 $
 _MIN_SPLIT_TOKENS = 64
 _MAX_SPLITS = 32
 # How paged_attention_rotary's writer program hands this pass's k and v to its own loop (_attn_kernel,
-# STORE_FIRST): from registers (False) or stored first behind a barrier (True). Neither is timed yet
-# (scripts/gpu_time_off_paths.sh profiles both); the same bits either way.
+# STORE_FIRST): from registers (False) or stored first behind a barrier (True); the same bits either
+# way. From registers, the rotary attention was slower than the RoPE launch then the attention on an
+# H100 (docs/benchmarks.md); store-first is untimed (scripts/gpu_time_off_paths.sh 1).
 ROTARY_STORE_FIRST = False
 # Warps per attention program. At Ouro-1.4B's heads (Dh 128, MHA, 64-token tiles, bf16, sm_90), Triton
 # 3.6 gives 4 warps 255 registers a thread and a stack (spills) of 40 B, 408 B with ROTARY and its
